@@ -1,0 +1,135 @@
+"""Chain hashing: the content address of every chunk of prompt state.
+
+A prompt's token ids are cut into fixed-size chunks. Chunk ``i`` is addressed by
+
+    key[-1] = namespace key
+    key[i]  = xxh3_128(key[i-1] || tokens[i*C:(i+1)*C] as little-endian int32)
+
+so a key covers *every* token from position 0 to the end of its chunk. That is the
+property everything else relies on: llama.cpp loads any well-formed KV state without
+complaint, and a chunk restored after the wrong prefix silently decodes garbage. Two
+prompts share chunk ``i`` only if they share all tokens up to the end of chunk ``i``.
+
+The namespace key folds in everything else that changes the bytes of a chunk or who
+may read it: the format version, the model fingerprint (a digest of the GGUF file),
+the KV layout (cache types, flash attention, and any llama.cpp setting that alters
+the cache bytes, such as environment switches), the chunk size and the tenant salt.
+Changing any of them gives disjoint chains, never a wrong hit.
+
+Only full chunks get keys: a partial tail chunk is never stored, because its state
+would be extended in place by the next request and could not be shared as-is.
+
+Everything here is deterministic across processes and machines: xxh3 with seed 0,
+explicit little-endian encodings, no Python ``hash()``, no pickle.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+import xxhash
+
+FORMAT_VERSION = 1
+DEFAULT_CHUNK_SIZE = 256
+KEY_BYTES = 16
+MAX_TOKEN_ID = 2**31 - 1
+
+_NS_MAGIC = b"kvpool/namespace"
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Every setting that changes the bytes of a KV cache for one model.
+
+    ``extras`` holds llama.cpp settings outside the context parameters that still alter
+    the cache (for example an environment variable such as ``LLAMA_ATTN_ROT_DISABLE``),
+    plus the version of the code that writes chunk payloads.
+    """
+
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: bool = False
+    extras: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, type_k: str, type_v: str, flash_attn: bool, extras: Mapping[str, str] | None = None) -> KVLayout:
+        return cls(type_k, type_v, bool(flash_attn), tuple(sorted((extras or {}).items())))
+
+    def canonical(self) -> str:
+        parts = [f"type_k={self.type_k}", f"type_v={self.type_v}", f"flash_attn={int(self.flash_attn)}"]
+        parts += [f"{k}={v}" for k, v in sorted(self.extras)]
+        return ";".join(parts)
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """What a chain is rooted in. Its ``key`` is the parent of chunk 0."""
+
+    model_fingerprint: str
+    layout: KVLayout = field(default_factory=KVLayout)
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    tenant_salt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if not self.model_fingerprint:
+            raise ValueError("model_fingerprint must not be empty")
+
+    @cached_property
+    def key(self) -> bytes:
+        return namespace_key(self.model_fingerprint, self.layout, self.chunk_size, self.tenant_salt)
+
+    def chain(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
+        return chain_keys(self.key, tokens, self.chunk_size)
+
+
+def _field(data: bytes) -> bytes:
+    return struct.pack("<I", len(data)) + data
+
+
+def namespace_key(model_fingerprint: str, layout: KVLayout, chunk_size: int, tenant_salt: str) -> bytes:
+    """xxh3-128 over length-prefixed canonical fields, in a fixed order."""
+    payload = b"".join(
+        [
+            _NS_MAGIC,
+            struct.pack("<I", FORMAT_VERSION),
+            _field(model_fingerprint.encode()),
+            _field(layout.canonical().encode()),
+            struct.pack("<I", chunk_size),
+            _field(tenant_salt.encode()),
+        ]
+    )
+    return xxhash.xxh3_128_digest(payload)
+
+
+def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as packed little-endian int32; rejects ids outside [0, 2**31)."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError("tokens must be a flat sequence of ints")
+    if arr.size and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
+        raise ValueError("token ids must lie in [0, 2**31)")
+    return arr.astype("<i4").tobytes()
+
+
+def chunk_key(parent: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
+    """The key of one chunk given its parent's key (the namespace key for chunk 0)."""
+    return xxhash.xxh3_128_digest(parent + token_bytes(tokens))
+
+
+def chain_keys(namespace: bytes, tokens: Sequence[int] | np.ndarray, chunk_size: int) -> list[bytes]:
+    """Keys of every full chunk of ``tokens``, in order."""
+    raw = token_bytes(tokens)
+    step = chunk_size * 4
+    keys: list[bytes] = []
+    parent = namespace
+    for i in range(len(raw) // step):
+        parent = xxhash.xxh3_128_digest(parent + raw[i * step : (i + 1) * step])
+        keys.append(parent)
+    return keys
+

@@ -1,0 +1,220 @@
+"""The chunk index in Redis: which chunks exist, their sizes and recency, and the store's total bytes.
+
+The index is a cache of the truth held by the blob backend. A blob is always written
+before its index entry, an entry whose blob turns out to be gone is dropped by the
+reader that finds it missing, and `Store.reindex` rebuilds everything from a listing.
+
+Keys (all under a versioned prefix, default ``kvpool:v1:``):
+
+* ``chunk:<key hex>`` -- hash: ``ns``, ``index``, ``size``, ``created``
+* ``lru``             -- sorted set of chunk keys by eviction order (lowest goes first);
+                         the last-access time is read back from the score
+* ``bytes``           -- total bytes of indexed blobs
+
+Eviction order. A chain's chunk ``i`` is only ever useful when chunks ``0..i-1`` are
+present, so eviction must never remove a parent before its children. Every access
+touches a whole prefix ``0..d`` at once with one timestamp, and the score is
+
+    score = time in centiseconds * 2**15 + (2**15 - 1 - depth)
+
+so parents always score at least as high as their children (they were touched at least
+as recently, and at equal times the shallower chunk wins), and popping the lowest
+score takes the deepest chunk of the least recently used chain first. Scores stay
+below 2**53, so Redis's doubles hold them exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis
+
+from store.errors import StoreUnavailable
+
+_DEPTH_SLOTS = 2**15
+T = TypeVar("T")
+
+# Insert an entry once: concurrent publishers of one chunk count its bytes once.
+_ADD = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'ns', ARGV[1], 'index', ARGV[2], 'size', ARGV[3], 'created', ARGV[4])
+redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
+redis.call('INCRBY', KEYS[3], ARGV[3])
+return 1
+"""
+
+# Remove entries; returns the bytes freed.
+_REMOVE = """
+local freed = 0
+for i = 2, #KEYS do
+  local size = redis.call('HGET', KEYS[i], 'size')
+  if size then
+    freed = freed + tonumber(size)
+    redis.call('DEL', KEYS[i])
+  end
+  redis.call('ZREM', KEYS[1], ARGV[i - 1])
+end
+if freed > 0 then redis.call('DECRBY', ARGV[#ARGV], freed) end
+return freed
+"""
+
+
+def lru_score(now: float, depth: int) -> int:
+    return int(now * 100) * _DEPTH_SLOTS + (_DEPTH_SLOTS - 1 - min(depth, _DEPTH_SLOTS - 1))
+
+
+def score_time(score: float) -> float:
+    return (int(score) // _DEPTH_SLOTS) / 100
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    key: bytes
+    namespace: bytes
+    index: int
+    size: int
+    created: float
+    accessed: float
+
+
+class RedisIndex:
+    def __init__(self, client: redis.Redis, prefix: str = "kvpool:v1:") -> None:
+        self.r = client
+        self.prefix = prefix
+        self.lru_key = prefix + "lru"
+        self.bytes_key = prefix + "bytes"
+        kwargs = client.connection_pool.connection_kwargs
+        self.endpoint = f"redis://{kwargs.get('host', kwargs.get('path', '?'))}:{kwargs.get('port', '')}/{kwargs.get('db', 0)}"
+        self._add = client.register_script(_ADD)
+        self._remove = client.register_script(_REMOVE)
+
+    @classmethod
+    def from_url(cls, url: str, *, connect_timeout_s: float = 2.0, read_timeout_s: float = 10.0) -> RedisIndex:
+        client = redis.Redis.from_url(
+            url,
+            socket_connect_timeout=connect_timeout_s,
+            socket_timeout=read_timeout_s,
+            retry_on_timeout=False,
+        )
+        return cls(client)
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            raise StoreUnavailable(self.endpoint, f"{type(e).__name__}: {e}") from e
+
+    def _chunk(self, key: bytes) -> str:
+        return f"{self.prefix}chunk:{key.hex()}"
+
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is indexed, in one round trip."""
+        if not keys:
+            return []
+        return [s is not None for s in self._call(lambda: self.r.zmscore(self.lru_key, [k.hex() for k in keys]))]
+
+    def deepest(self, keys: Sequence[bytes]) -> int:
+        """Length of the longest run of indexed chunks from the start of ``keys``, in one round trip."""
+        flags = self.present(keys)
+        return flags.index(False) if False in flags else len(flags)
+
+    def touch(self, keys: Sequence[bytes], now: float | None = None) -> None:
+        """Mark a chain prefix ``keys[0..]`` as used now; entries that are gone stay gone."""
+        if not keys:
+            return
+        t = time.time() if now is None else now
+        mapping = {k.hex(): lru_score(t, depth) for depth, k in enumerate(keys)}
+
+        self._call(lambda: self.r.zadd(self.lru_key, mapping, xx=True, gt=True))
+
+    def add(self, key: bytes, namespace: bytes, index: int, size: int, now: float | None = None) -> bool:
+        """Index one stored blob; False when it was already indexed."""
+        t = time.time() if now is None else now
+        args = [namespace.hex(), index, size, repr(t), lru_score(t, index), key.hex()]
+        return bool(self._call(lambda: self._add(keys=[self._chunk(key), self.lru_key, self.bytes_key], args=args)))
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Drop entries; returns the bytes they accounted for."""
+        if not keys:
+            return 0
+        hex_keys = [k.hex() for k in keys]
+        return int(
+            self._call(
+                lambda: self._remove(keys=[self.lru_key, *[self._chunk(k) for k in keys]], args=[*hex_keys, self.bytes_key])
+            )
+        )
+
+    def contains(self, key: bytes) -> bool:
+        return self._call(lambda: self.r.zscore(self.lru_key, key.hex())) is not None
+
+    def coldest(self, n: int) -> list[bytes]:
+        """The ``n`` chunks that eviction takes first."""
+        return [bytes.fromhex(m.decode()) for m in self._call(lambda: self.r.zrange(self.lru_key, 0, n - 1))]
+
+    def get(self, key: bytes) -> IndexEntry | None:
+        def fetch() -> list[Any]:
+            return self.r.pipeline(transaction=False).hgetall(self._chunk(key)).zscore(self.lru_key, key.hex()).execute()
+
+        h, score = self._call(fetch)
+        return _entry(key, h, score) if h and score is not None else None
+
+    def entries(self, batch: int = 500) -> Iterator[IndexEntry]:
+        """Every entry, hottest first."""
+        start = 0
+        while True:
+            members = self._call(lambda: self.r.zrevrange(self.lru_key, start, start + batch - 1, withscores=True))
+            if not members:
+                return
+            keys = [bytes.fromhex(m.decode()) for m, _ in members]
+
+            def fetch() -> list[Any]:
+                pipe = self.r.pipeline(transaction=False)
+                for k in keys:
+                    pipe.hgetall(self._chunk(k))
+                return pipe.execute()
+
+            for k, (_, score), h in zip(keys, members, self._call(fetch)):
+                if h:
+                    yield _entry(k, h, score)
+            start += batch
+
+    def count(self) -> int:
+        return int(self._call(lambda: self.r.zcard(self.lru_key)))
+
+    def total_bytes(self) -> int:
+        return int(self._call(lambda: self.r.get(self.bytes_key)) or 0)
+
+    def clear(self) -> None:
+        def run() -> None:
+            for batch in _batched(self.r.scan_iter(match=self.prefix + "*", count=1000), 1000):
+                self.r.delete(*batch)
+
+        self._call(run)
+
+    def ping(self) -> None:
+        self._call(self.r.ping)
+
+
+def _entry(key: bytes, h: dict[bytes, bytes], score: float) -> IndexEntry:
+    return IndexEntry(
+        key=key,
+        namespace=bytes.fromhex(h[b"ns"].decode()),
+        index=int(h[b"index"]),
+        size=int(h[b"size"]),
+        created=float(h[b"created"]),
+        accessed=score_time(score),
+    )
+
+
+def _batched(it: Iterator[Any], n: int) -> Iterator[list[Any]]:
+    batch: list[Any] = []
+    for x in it:
+        batch.append(x)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

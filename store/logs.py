@@ -1,0 +1,45 @@
+"""Structured logging: one line per event, ``event key=value ...`` (or JSON), fields passed as ``extra``.
+
+Usage: ``log.info("chunk.corrupt", extra={"key": k.hex(), "reason": str(e)})``.
+Never put prompt text in a field logged at INFO or above.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+_RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+
+class EventFormatter(logging.Formatter):
+    def __init__(self, as_json: bool = False) -> None:
+        super().__init__()
+        self.as_json = as_json
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = {k: v for k, v in record.__dict__.items() if k not in _RESERVED}
+        if record.exc_info:
+            fields["error"] = self.formatException(record.exc_info).splitlines()[-1]
+        if self.as_json:
+            doc = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name}
+            return json.dumps({**doc, "event": record.getMessage(), **fields}, default=str)
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        parts = [ts, record.levelname.lower(), record.name, record.getMessage()]
+        parts += [f"{k}={_value(v)}" for k, v in fields.items()]
+        return " ".join(parts)
+
+
+def _value(v: object) -> str:
+    s = str(v)
+    return json.dumps(s) if (not s or any(c in s for c in ' "=\n')) else s
+
+
+def configure_logging(level: str = "INFO", as_json: bool = False) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(EventFormatter(as_json))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

@@ -1,0 +1,296 @@
+"""The store: chunks of prompt state in a blob backend, found through the Redis index.
+
+Readers call `lookup` (how deep does the store hold this chain?) and then `fetch`
+(the verified payloads of a run of chunks). Writers call `publish`. Every blob is
+checked against the exact chain position it is fetched for before its payload is
+returned; a blob that fails is counted, dropped from the index, moved to
+``quarantine/`` and treated as the end of the usable prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import numpy as np
+
+from store import metrics
+from store.backend import BlobBackend, open_backend
+from store.blob import BlobName, decode_blob, encode_blob, verify_blob
+from store.chain import Namespace
+from store.errors import BlobCorrupt, BlobMismatch, BlobMissing, StoreUnavailable
+from store.index import IndexEntry, RedisIndex
+from store.settings import StoreSettings
+
+log = logging.getLogger("kvpool.store")
+
+CHUNKS_PREFIX = "chunks/"
+QUARANTINE_PREFIX = "quarantine/"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class GcResult:
+    evicted_chunks: int
+    evicted_bytes: int
+    total_bytes: int
+
+
+@dataclass
+class VerifyResult:
+    checked: int = 0
+    bad: list[tuple[str, str]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+
+class Store:
+    def __init__(self, backend: BlobBackend, index: RedisIndex, *, io_threads: int = 8, max_bytes: int | None = None) -> None:
+        self.backend = backend
+        self.index = index
+        self.max_bytes = max_bytes
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvpool-store")
+
+    @classmethod
+    def open(cls, settings: StoreSettings) -> Store:
+        """Open the backend and index that ``settings`` name. Raises `StoreUnavailable`."""
+        index = RedisIndex.from_url(
+            settings.redis_url, connect_timeout_s=settings.connect_timeout_s, read_timeout_s=settings.read_timeout_s
+        )
+        return cls(open_backend(settings), index, io_threads=settings.io_threads, max_bytes=settings.store_max_bytes)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reading ---------------------------------------------------------------
+
+    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """How many chunks from the start of the chain ``keys`` the store holds."""
+        metrics.LOOKUPS.inc()
+        depth = self._guard("redis", lambda: self.index.deepest(keys))
+        metrics.CHUNKS.labels("hit").inc(depth)
+        metrics.CHUNKS.labels("miss").inc(len(keys) - depth)
+        metrics.TOKENS.labels("hit").inc(depth * ns.chunk_size)
+        metrics.TOKENS.labels("miss").inc((len(keys) - depth) * ns.chunk_size)
+        return depth
+
+    def fetch(
+        self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes], start: int, stop: int
+    ) -> list[memoryview]:
+        """Verified payloads of chunks ``start..stop-1``, fetched in parallel.
+
+        Returns the longest good run from ``start``: a chunk that is missing, corrupt,
+        foreign or unreachable ends the run (and is dropped from the index when it is
+        missing or bad), so the caller evaluates from there on. Never raises for a
+        single bad chunk.
+        """
+        if not 0 <= start <= stop <= len(keys):
+            raise ValueError(f"bad chunk range {start}..{stop} of {len(keys)}")
+        c = ns.chunk_size
+        names = [str(BlobName(ns.key, i, keys[i])) for i in range(start, stop)]
+        futures = [self._pool.submit(self._timed_get, n) for n in names]
+        good: list[memoryview] = []
+        try:
+            for offset, fut in enumerate(futures):
+                i = start + offset
+                try:
+                    data = fut.result()
+                except BlobMissing:
+                    metrics.STALE.inc()
+                    log.warning("chunk.missing", extra={"chunk": keys[i].hex(), "index": i})
+                    self._drop_quietly([keys[i]])
+                    break
+                except StoreUnavailable as e:
+                    metrics.UNAVAILABLE.labels("backend").inc()
+                    log.warning("fetch.unavailable", extra={"endpoint": e.endpoint, "reason": e.reason, "index": i})
+                    break
+                try:
+                    payload = verify_blob(
+                        data,
+                        namespace=ns.key,
+                        index=i,
+                        parent=keys[i - 1] if i else ns.key,
+                        key=keys[i],
+                        tokens=tokens[i * c : (i + 1) * c],
+                    )
+                except (BlobCorrupt, BlobMismatch) as e:
+                    reason = "corrupt" if isinstance(e, BlobCorrupt) else "mismatch"
+                    metrics.CORRUPT.labels(reason).inc()
+                    log.error("chunk.rejected", extra={"chunk": keys[i].hex(), "index": i, "reason": str(e)})
+                    self._quarantine(names[offset], data, keys[i])
+                    break
+                metrics.BYTES_READ.inc(len(data))
+                good.append(payload)
+        finally:
+            for fut in futures:
+                fut.cancel()
+        if good:
+            self._touch_quietly(keys[: start + len(good)])
+        return good
+
+    # -- writing ---------------------------------------------------------------
+
+    def publish(
+        self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes], payloads: Mapping[int, bytes]
+    ) -> int:
+        """Store the chunks ``payloads`` (chunk index -> payload) of one chain; returns how many were new.
+
+        Idempotent and safe with concurrent publishers: a chunk already indexed is
+        skipped, equal keys mean equal bytes, and the index counts each chunk once.
+        Blobs are written before their index entries.
+        """
+        if not payloads:
+            return 0
+        c = ns.chunk_size
+        wanted = sorted(payloads)
+        if wanted[0] < 0 or wanted[-1] >= len(keys):
+            raise ValueError(f"chunk index out of range 0..{len(keys) - 1}")
+        present = self._guard("redis", lambda: self.index.present([keys[i] for i in wanted]))
+        todo = [i for i, there in zip(wanted, present) if not there]
+
+        def put(i: int) -> tuple[int, int]:
+            blob = encode_blob(ns.key, i, keys[i - 1] if i else ns.key, tokens[i * c : (i + 1) * c], payloads[i])
+            t0 = time.perf_counter()
+            self.backend.put(str(BlobName(ns.key, i, keys[i])), blob)
+            metrics.REQUEST_SECONDS.labels("put").observe(time.perf_counter() - t0)
+            metrics.BYTES_WRITTEN.inc(len(blob))
+            return i, len(blob)
+
+        written = [f.result() for f in [self._pool.submit(put, i) for i in todo]] if todo else []
+        added = 0
+        for i, size in written:
+            added += self._guard("redis", lambda: self.index.add(keys[i], ns.key, i, size))
+        self._touch_quietly(keys[: wanted[-1] + 1])
+        if self.max_bytes is not None and written:
+            self.gc(self.max_bytes)
+        return added
+
+    # -- maintenance -----------------------------------------------------------
+
+    def gc(self, max_bytes: int) -> GcResult:
+        """Evict least recently used chunks, deepest first, until at most ``max_bytes`` are stored."""
+        evicted = freed = 0
+        total = self._guard("redis", self.index.total_bytes)
+        while total > max_bytes:
+            entries = [e for e in (self.index.get(k) for k in self.index.coldest(64)) if e is not None]
+            if not entries:
+                break
+            victims: list[IndexEntry] = []
+            for e in entries:
+                if total - sum(v.size for v in victims) <= max_bytes:
+                    break
+                victims.append(e)
+            freed_now = self.index.remove([v.key for v in victims])
+            for fut in [self._pool.submit(self.backend.delete, str(BlobName(v.namespace, v.index, v.key))) for v in victims]:
+                fut.result()
+            evicted += len(victims)
+            freed += freed_now
+            metrics.EVICTIONS.inc(len(victims))
+            metrics.EVICTED_BYTES.inc(freed_now)
+            total = self.index.total_bytes()
+        metrics.BYTES_STORED.set(total)
+        if evicted:
+            log.info("store.gc", extra={"evicted_chunks": evicted, "evicted_bytes": freed, "total_bytes": total})
+        return GcResult(evicted, freed, total)
+
+    def reindex(self) -> int:
+        """Rebuild the index from the backend's listing; returns the number of chunks indexed.
+
+        Access times are lost with the old index: every chunk gets the same time, so
+        eviction afterwards takes the deepest chunks first and still leaves no holes.
+        """
+        self.index.clear()
+        now = time.time()
+        n = 0
+        for obj in self.backend.list(CHUNKS_PREFIX):
+            name = BlobName.parse(obj.name)
+            if name is None:
+                continue
+            n += self.index.add(name.key, name.namespace, name.index, obj.size, now=now)
+        metrics.BYTES_STORED.set(self.index.total_bytes())
+        log.info("store.reindex", extra={"chunks": n})
+        return n
+
+    def verify(self, *, repair: bool = False) -> VerifyResult:
+        """Read and check every indexed blob; with ``repair``, drop and quarantine the bad ones."""
+        result = VerifyResult()
+        for e in self.index.entries():
+            name = str(BlobName(e.namespace, e.index, e.key))
+            result.checked += 1
+            try:
+                data = self.backend.get(name)
+            except BlobMissing:
+                result.missing.append(name)
+                if repair:
+                    self.index.remove([e.key])
+                continue
+            try:
+                header, _ = decode_blob(data)
+                if (header.namespace, header.index, header.key) != (e.namespace, e.index, e.key):
+                    raise BlobMismatch("header does not match the name it is stored under")
+            except (BlobCorrupt, BlobMismatch) as err:
+                result.bad.append((name, str(err)))
+                if repair:
+                    self._quarantine(name, data, e.key)
+        return result
+
+    def stats(self) -> dict[str, object]:
+        entries = list(self.index.entries())
+        total = self.index.total_bytes()
+        metrics.BYTES_STORED.set(total)
+        return {
+            "backend": self.backend.endpoint,
+            "index": self.index.endpoint,
+            "chunks": len(entries),
+            "bytes": total,
+            "namespaces": len({e.namespace for e in entries}),
+            "deepest_chunk": max((e.index for e in entries), default=-1) + 1,
+            "max_bytes": self.max_bytes,
+            "oldest_access": min((e.accessed for e in entries), default=None),
+            "newest_access": max((e.accessed for e in entries), default=None),
+        }
+
+    # -- internals -------------------------------------------------------------
+
+    def _timed_get(self, name: str) -> bytes:
+        t0 = time.perf_counter()
+        data = self.backend.get(name)
+        metrics.REQUEST_SECONDS.labels("get").observe(time.perf_counter() - t0)
+        return data
+
+    def _guard(self, component: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except StoreUnavailable:
+            metrics.UNAVAILABLE.labels(component).inc()
+            raise
+
+    def _drop_quietly(self, keys: Sequence[bytes]) -> None:
+        try:
+            self.index.remove(keys)
+        except StoreUnavailable as e:
+            log.warning("index.unavailable", extra={"endpoint": e.endpoint, "reason": e.reason})
+
+    def _touch_quietly(self, keys: Sequence[bytes]) -> None:
+        try:
+            self.index.touch(keys)
+        except StoreUnavailable as e:
+            log.warning("index.unavailable", extra={"endpoint": e.endpoint, "reason": e.reason})
+
+    def _quarantine(self, name: str, data: bytes, key: bytes) -> None:
+        """Move a bad blob aside (kept for inspection) and forget it in the index."""
+        self._drop_quietly([key])
+        try:
+            self.backend.put(QUARANTINE_PREFIX + name, data)
+            self.backend.delete(name)
+        except StoreUnavailable as e:
+            log.warning("quarantine.failed", extra={"blob": name, "reason": e.reason})

@@ -1,0 +1,92 @@
+"""Shared fixtures: a real redis-server, a real S3 endpoint over HTTP, a generated GGUF model."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from store.backend import BlobBackend
+from store.fs import FsBackend
+from store.index import RedisIndex
+from store.redis_server import RedisServer
+from store.s3 import S3Backend
+from store.settings import StoreSettings
+from store.store import Store
+from tests.services import S3_ACCESS_KEY, S3_SECRET_KEY, S3Server
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """A Redis URL whose database is empty at the start of the test."""
+    redis.Redis.from_url(redis_server.url).flushall()
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    server = S3Server().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket() -> str:
+    return f"kvpool-test-{uuid.uuid4().hex[:12]}"
+
+
+def s3_settings(endpoint_url: str, bucket: str, redis_url: str, **overrides: object) -> StoreSettings:
+    return StoreSettings(
+        store_url=f"s3://{bucket}/pool",
+        s3_endpoint_url=endpoint_url,
+        s3_access_key_id=S3_ACCESS_KEY,
+        s3_secret_access_key=S3_SECRET_KEY,
+        redis_url=redis_url,
+        connect_timeout_s=1.0,
+        read_timeout_s=2.0,
+        retries=1,
+        **overrides,
+    )
+
+
+@pytest.fixture
+def store_settings_s3(s3_server: S3Server, s3_bucket: str, redis_url: str) -> StoreSettings:
+    return s3_settings(s3_server.endpoint_url, s3_bucket, redis_url)
+
+
+@pytest.fixture(params=["fs", "s3"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> BlobBackend:
+    """Each blob backend in turn; tests using it form the shared backend suite."""
+    if request.param == "fs":
+        return FsBackend(tmp_path / "blobs")
+    settings: StoreSettings = request.getfixturevalue("store_settings_s3")
+    bucket, _, prefix = settings.store_url.removeprefix("s3://").partition("/")
+    return S3Backend.from_settings(settings, bucket=bucket, prefix=prefix)
+
+
+@pytest.fixture
+def index(redis_url: str) -> RedisIndex:
+    return RedisIndex.from_url(redis_url)
+
+
+@pytest.fixture
+def store(backend: BlobBackend, index: RedisIndex) -> Iterator[Store]:
+    with Store(backend, index) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The generated tiny GGUF model (llama architecture, random weights, working tokenizer)."""
+    from worker.genmodel import ensure_model
+
+    return ensure_model("tiny", tmp_path_factory.mktemp("models"))
