@@ -15,12 +15,12 @@ Eviction order. A chain's chunk ``i`` is only ever useful when chunks ``0..i-1``
 present, so eviction must never remove a parent before its children. Every access
 touches a whole prefix ``0..d`` at once with one timestamp, and the score is
 
-    score = time in centiseconds * 2**15 + (2**15 - 1 - depth)
+    score = centiseconds since 2020 * 2**15 + (2**15 - 1 - depth)
 
 so parents always score at least as high as their children (they were touched at least
 as recently, and at equal times the shallower chunk wins), and popping the lowest
 score takes the deepest chunk of the least recently used chain first. Scores stay
-below 2**53, so Redis's doubles hold them exactly.
+below 2**53 (until the year 2105), so Redis's doubles hold them exactly.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import redis
 from store.errors import StoreUnavailable
 
 _DEPTH_SLOTS = 2**15
+_EPOCH = 1_577_836_800
 T = TypeVar("T")
 
 # Insert an entry once: concurrent publishers of one chunk count its bytes once.
@@ -63,11 +64,11 @@ return freed
 
 
 def lru_score(now: float, depth: int) -> int:
-    return int(now * 100) * _DEPTH_SLOTS + (_DEPTH_SLOTS - 1 - min(depth, _DEPTH_SLOTS - 1))
+    return int((now - _EPOCH) * 100) * _DEPTH_SLOTS + (_DEPTH_SLOTS - 1 - min(depth, _DEPTH_SLOTS - 1))
 
 
 def score_time(score: float) -> float:
-    return (int(score) // _DEPTH_SLOTS) / 100
+    return (int(score) // _DEPTH_SLOTS) / 100 + _EPOCH
 
 
 @dataclass(frozen=True)
