@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Set up kvpool on a fresh Debian/Ubuntu machine, then run the demo or the test suite.
+#
+#   bash deploy/setup.sh demo      # install, then start a pool on the embedded default and use it
+#   bash deploy/setup.sh test      # install, then run the whole test suite (extra args go to pytest)
+#
+# Idempotent: a second run reuses the virtualenv (.kvpool/venv) and the llama-cpp-python
+# wheel built once into .kvpool/wheels (compiling llama.cpp takes minutes on 2 cores).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+STATE=.kvpool
+VENV=$STATE/venv
+WHEELS=${KVPOOL_WHEEL_CACHE:-$STATE/wheels}
+LLAMA_CPP_VERSION=$(sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
+PY=${PYTHON:-python3}
+
+say() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+install_system_packages() {
+    local pkgs=()
+    command -v redis-server >/dev/null || pkgs+=(redis-server)
+    command -v c++ >/dev/null && command -v make >/dev/null || pkgs+=(build-essential)
+    command -v "$PY" >/dev/null || pkgs+=(python3)
+    "$PY" -m venv --help >/dev/null 2>&1 || pkgs+=(python3-venv python3-dev)
+    if [ ${#pkgs[@]} -gt 0 ]; then
+        say "installing system packages: ${pkgs[*]}"
+        as_root apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${pkgs[@]}" >/dev/null
+    fi
+    "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { say "kvpool needs Python >= 3.11 (set PYTHON=python3.11)"; exit 1; }
+}
+
+install_python_packages() {
+    [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PY" -m venv "$VENV"; }
+    local stamp="$STATE/installed.stamp" want
+    want=$(cat pyproject.toml "$0" | sha256sum | cut -c1-16)
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c 'import llama_cpp' 2>/dev/null; then
+        return
+    fi
+    "$VENV/bin/pip" install -q --upgrade pip wheel
+    mkdir -p "$WHEELS"
+    if ! ls "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl >/dev/null 2>&1; then
+        say "building llama-cpp-python $LLAMA_CPP_VERSION (compiles llama.cpp once; a few minutes)"
+        CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF}" \
+        CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+            "$VENV/bin/pip" wheel -q --no-deps -w "$WHEELS" "llama-cpp-python==$LLAMA_CPP_VERSION"
+    fi
+    say "installing kvpool and its dependencies into $VENV"
+    "$VENV/bin/pip" install -q --find-links "$WHEELS" -e ".[test]"
+    echo "$want" >"$stamp"
+}
+
+install_system_packages
+install_python_packages
+
+case "${1:-}" in
+    test)
+        shift
+        exec "$VENV/bin/python" -m pytest "$@"
+        ;;
+    demo)
+        shift
+        exec "$VENV/bin/python" -m gateway.demo "$@"
+        ;;
+    install)
+        say "installed: $VENV/bin/kvpool"
+        ;;
+    *)
+        echo "usage: bash deploy/setup.sh {demo|test|install} [args...]" >&2
+        exit 2
+        ;;
+esac

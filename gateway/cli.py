@@ -1,0 +1,40 @@
+"""The ``kvpool`` command. Each subcommand group lives beside the code it runs and is imported only when used."""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from store.logs import configure_logging
+from store.settings import StoreSettings
+
+_GROUPS = {
+    "store": "store.cli:store_group",
+    "model": "worker.cli:model_group",
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(_GROUPS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = _GROUPS.get(name)
+        if target is None:
+            return None
+        module, _, attr = target.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=_LazyGroup)
+@click.option("--log-level", default="INFO", show_default=True, envvar="KVPOOL_LOG_LEVEL", help="Logging level.")
+@click.option("--log-json", is_flag=True, envvar="KVPOOL_LOG_JSON", help="Log one JSON object per line.")
+@click.pass_context
+def main(ctx: click.Context, log_level: str, log_json: bool) -> None:
+    """kvpool: share llama.cpp prompt state across a pool of inference workers.
+
+    Settings come from KVPOOL_* environment variables.
+    """
+    configure_logging(log_level, log_json)
+    ctx.obj = StoreSettings()

@@ -1,0 +1,91 @@
+"""``kvpool store`` as a user runs it: a real process, settings from KVPOOL_* variables."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from store.blob import BlobName
+from store.chain import KVLayout, Namespace
+from store.cli import parse_size
+from store.fs import FsBackend
+from store.index import RedisIndex
+from store.redis_server import free_port
+from store.store import Store
+
+NS = Namespace("fp", KVLayout(), chunk_size=4)
+
+
+def kvpool(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    bindir = Path(sys.executable).parent
+    return subprocess.run(
+        [str(bindir / "kvpool"), *args], capture_output=True, text=True, timeout=60, env={**os.environ, **env}
+    )
+
+
+@pytest.fixture
+def filled(tmp_path: Path, redis_url: str) -> tuple[dict[str, str], Store, list[bytes]]:
+    store = Store(FsBackend(tmp_path / "blobs"), RedisIndex.from_url(redis_url))
+    tokens = np.arange(40)
+    keys = NS.chain(tokens)
+    store.publish(NS, tokens, keys, {i: bytes(100) for i in range(len(keys))})
+    env = {"KVPOOL_REDIS_URL": redis_url, "KVPOOL_STORE_URL": str(tmp_path / "blobs")}
+    return env, store, keys
+
+
+def test_stats_and_ls(filled) -> None:
+    env, store, keys = filled
+    stats = json.loads(kvpool(env, "store", "stats", "--json").stdout)
+    assert stats["chunks"] == 10 and stats["bytes"] == store.index.total_bytes()
+    rows = json.loads(kvpool(env, "store", "ls", "--json", "--limit", "3").stdout)
+    assert len(rows) == 3 and rows[0]["key"] == keys[0].hex()
+    table = kvpool(env, "store", "stats")
+    assert table.returncode == 0 and "chunks" in table.stdout
+
+
+def test_verify_reports_and_repairs(filled) -> None:
+    env, store, keys = filled
+    assert kvpool(env, "store", "verify").returncode == 0
+    name = str(BlobName(NS.key, 4, keys[4]))
+    store.backend.put(name, store.backend.get(name)[:-3])
+    bad = kvpool(env, "store", "verify")
+    assert bad.returncode == 1 and name in bad.stdout and "1 bad" in bad.stdout
+    assert kvpool(env, "store", "verify", "--repair").returncode == 0
+    assert kvpool(env, "store", "verify").returncode == 0
+    assert store.lookup(NS, keys) == 4
+
+
+def test_gc_and_reindex(filled) -> None:
+    env, store, keys = filled
+    per_chunk = store.index.total_bytes() // 10
+    out = kvpool(env, "store", "gc", "--max-bytes", str(per_chunk * 6))
+    assert out.returncode == 0 and "evicted 4 chunks" in out.stdout
+    store.index.r.flushdb()
+    out = kvpool(env, "store", "reindex")
+    assert out.returncode == 0 and "indexed 6 chunks" in out.stdout
+    assert store.lookup(NS, keys) == 6
+
+
+def test_unreachable_redis_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:
+    port = free_port()
+    out = kvpool({"KVPOOL_REDIS_URL": f"redis://127.0.0.1:{port}/0", "KVPOOL_STORE_URL": str(tmp_path)}, "store", "stats")
+    assert out.returncode == 1
+    assert f"127.0.0.1:{port}" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bad_size_is_a_usage_error(filled) -> None:
+    env, _, _ = filled
+    out = kvpool(env, "store", "gc", "--max-bytes", "lots")
+    assert out.returncode == 2 and "not a size" in out.stderr
+
+
+def test_parse_size() -> None:
+    assert parse_size("1000") == 1000
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("1.5 MB") == 1_500_000
+    with pytest.raises(ValueError):
+        parse_size("5 parsecs")
