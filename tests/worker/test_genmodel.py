@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import gguf
@@ -84,6 +85,17 @@ def test_tiny_is_small_gqa_with_head_size_64(model_path: Path) -> None:
     assert spec.head_dim == 64 and spec.n_head_kv < spec.n_head
     assert spec.n_ctx_train >= 4096
     assert 1 < model_path.stat().st_size / 1e6 < 16
+
+
+def test_f32_variant_stores_f32_matrices_and_loads(tmp_path: Path) -> None:
+    spec = dataclasses.replace(SIZES["tiny"], dtype="f32")
+    path = make_model(spec, tmp_path / "f32.gguf")
+    reader = gguf.GGUFReader(path)
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.F32
+    assert types["output.weight"] == gguf.GGMLQuantizationType.F32
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, verbose=False)
+    assert np.isfinite(_last_logits(llm, llm.tokenize(b"Hello world"))).all()
 
 
 def test_bench_is_tinyllama_sized() -> None:

@@ -1,0 +1,36 @@
+"""``kvpool model ...`` commands (the group is attached to the top-level CLI elsewhere)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from worker.genmodel import SIZES, make_model, model_filename
+
+DEFAULT_MODEL_DIR = Path(".kvpool/models")
+
+
+@click.group("model")
+def model_group() -> None:
+    """Generate and manage the random-weight test models."""
+
+
+@model_group.command("make")
+@click.option("--size", type=click.Choice(sorted(SIZES)), default="tiny", show_default=True)
+@click.option("--seed", type=click.IntRange(min=0, max=2**64 - 1), default=0, show_default=True)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Output file [default: .kvpool/models/kvpool-{size}-s{seed}.gguf]",
+)
+def make(size: str, seed: int, out: Path | None) -> None:
+    """Write a deterministic random-weight llama GGUF model."""
+    path = out if out is not None else DEFAULT_MODEL_DIR / model_filename(size, seed)
+    started = time.monotonic()
+    make_model(size, path, seed)
+    elapsed = time.monotonic() - started
+    size_mb = path.stat().st_size / 1e6
+    click.echo(f"{path}  {size_mb:.1f} MB  {SIZES[size].n_params:,} parameters  ({elapsed:.1f} s)")
