@@ -6,12 +6,14 @@
 #
 # Idempotent: a second run reuses the virtualenv (.kvpool/venv) and the llama-cpp-python
 # wheel built once into .kvpool/wheels (compiling llama.cpp takes minutes on 2 cores).
+# The wheel is also kept in ~/.cache/kvpool/wheels (KVPOOL_WHEEL_CACHE) for other clones.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 STATE=.kvpool
 VENV=$STATE/venv
-WHEELS=${KVPOOL_WHEEL_CACHE:-$STATE/wheels}
+WHEELS=$STATE/wheels
+SHARED_WHEELS=${KVPOOL_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvpool/wheels}
 LLAMA_CPP_VERSION=$(sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
 PY=${PYTHON:-python3}
 
@@ -41,11 +43,18 @@ install_python_packages() {
     fi
     "$VENV/bin/pip" install -q --upgrade pip wheel
     mkdir -p "$WHEELS"
-    if ! ls "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl >/dev/null 2>&1; then
-        say "building llama-cpp-python $LLAMA_CPP_VERSION (compiles llama.cpp once; a few minutes)"
-        CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF}" \
-        CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-            "$VENV/bin/pip" wheel -q --no-deps -w "$WHEELS" "llama-cpp-python==$LLAMA_CPP_VERSION"
+    local wheel="llama_cpp_python-$LLAMA_CPP_VERSION-*.whl"
+    # shellcheck disable=SC2086
+    if ! ls "$WHEELS"/$wheel >/dev/null 2>&1; then
+        if ls "$SHARED_WHEELS"/$wheel >/dev/null 2>&1; then
+            cp "$SHARED_WHEELS"/$wheel "$WHEELS"/
+        else
+            say "building llama-cpp-python $LLAMA_CPP_VERSION (compiles llama.cpp once; a few minutes)"
+            CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF}" \
+            CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+                "$VENV/bin/pip" wheel -q --no-deps -w "$WHEELS" "llama-cpp-python==$LLAMA_CPP_VERSION"
+            mkdir -p "$SHARED_WHEELS" && cp "$WHEELS"/$wheel "$SHARED_WHEELS"/ || true
+        fi
     fi
     say "installing kvpool and its dependencies into $VENV"
     "$VENV/bin/pip" install -q --find-links "$WHEELS" -e ".[test]"
