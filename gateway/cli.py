@@ -12,6 +12,7 @@ from store.settings import StoreSettings
 _GROUPS = {
     "store": "store.cli:store_group",
     "model": "worker.cli:model_group",
+    "worker": "worker.cli:worker_command",
 }
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,7 @@ from store.redis_server import RedisServer
 from store.s3 import S3Backend
 from store.settings import StoreSettings
 from store.store import Store
-from tests.services import S3_ACCESS_KEY, S3_SECRET_KEY, S3Server
+from tests.services import S3_ACCESS_KEY, S3_SECRET_KEY, S3Server, WorkerProcess
 
 
 @pytest.fixture(scope="session")
@@ -90,3 +90,43 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from worker.genmodel import ensure_model
 
     return ensure_model("tiny", tmp_path_factory.mktemp("models"))
+
+
+POOL_CHUNK = 32
+
+
+@pytest.fixture
+def pool_env(redis_url: str, store_settings_s3: StoreSettings, tiny_model: Path) -> dict[str, str]:
+    """KVPOOL_* settings for worker processes: the session's Redis, S3 over HTTP and the tiny model."""
+    s = store_settings_s3
+    return {
+        "KVPOOL_REDIS_URL": redis_url,
+        "KVPOOL_STORE_URL": s.store_url,
+        "KVPOOL_S3_ENDPOINT_URL": s.s3_endpoint_url or "",
+        "KVPOOL_S3_ACCESS_KEY_ID": s.s3_access_key_id or "",
+        "KVPOOL_S3_SECRET_ACCESS_KEY": s.s3_secret_access_key or "",
+        "KVPOOL_MODEL": str(tiny_model),
+        "KVPOOL_CHUNK_SIZE": str(POOL_CHUNK),
+        "KVPOOL_N_CTX": "2048",
+        "KVPOOL_N_THREADS": "1",
+        "KVPOOL_HEARTBEAT_S": "0.5",
+        "KVPOOL_CONNECT_TIMEOUT_S": "1",
+        "KVPOOL_READ_TIMEOUT_S": "2",
+        "KVPOOL_RETRIES": "1",
+    }
+
+
+@pytest.fixture
+def start_worker(pool_env: dict[str, str], redis_url: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    """Starts real ``kvpool worker`` processes; all are stopped at the end of the test."""
+    started: list[WorkerProcess] = []
+    conn = redis.Redis.from_url(redis_url)
+
+    def start(name: str, **env: str) -> WorkerProcess:
+        w = WorkerProcess(name, {**pool_env, **env}, tmp_path / f"{name}.log").start(conn)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.kill()

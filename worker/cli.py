@@ -34,3 +34,25 @@ def make(size: str, seed: int, out: Path | None) -> None:
     elapsed = time.monotonic() - started
     size_mb = path.stat().st_size / 1e6
     click.echo(f"{path}  {size_mb:.1f} MB  {SIZES[size].n_params:,} parameters  ({elapsed:.1f} s)")
+
+
+@click.command("worker")
+@click.option("--burst", is_flag=True, help="Exit once the queues are empty.")
+def worker_command(burst: bool) -> None:
+    """Run a worker: load the model once, answer jobs from its own queue and the shared one.
+
+    Settings come from KVPOOL_* environment variables (model, context, KV layout, Redis, store).
+    """
+    from pydantic import ValidationError
+
+    from worker.process import run_worker
+    from worker.settings import WorkerSettings
+
+    try:
+        settings = WorkerSettings()
+    except ValidationError as e:
+        raise click.ClickException(f"bad settings: {e}") from None
+    try:
+        run_worker(settings, burst=burst)
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None

@@ -1,0 +1,109 @@
+"""Fixtures for driving real worker processes: build jobs as the gateway would, read their results, compare with a cold run."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+import redis
+
+from store.fingerprint import fingerprint_file
+from tests.conftest import POOL_CHUNK
+from worker.client import events, submit
+from worker.namespace import namespace_for
+from worker.protocol import DoneEvent, ErrorEvent, JobResult, JobSpec, SamplingParams, StartEvent, TokenEvent, worker_queue
+from worker.settings import WorkerSettings
+
+
+@dataclass
+class Outcome:
+    result: JobResult | None
+    starts: list[StartEvent] = field(default_factory=list)
+    tokens: list[TokenEvent] = field(default_factory=list)
+    error: ErrorEvent | None = None
+
+    @property
+    def streamed_text(self) -> str:
+        return "".join(t.text for t in self.tokens)
+
+
+class PoolClient:
+    """Submits jobs the way the gateway does: tokens, chain keys, tenant salt, sampling."""
+
+    def __init__(self, conn: redis.Redis, model: Path, n_ctx: int = 2048) -> None:
+        self.conn = conn
+        self.settings = WorkerSettings(chunk_size=POOL_CHUNK, n_ctx=n_ctx)
+        self.fingerprint = fingerprint_file(model)
+        self.vocab = llama_cpp.Llama(str(model), vocab_only=True, verbose=False)
+
+    def tokens(self, text: str) -> list[int]:
+        return self.vocab.tokenize(text.encode())
+
+    def spec(self, tokens: list[int], *, tenant: str = "", chain: list[str] | None = None, **sampling: object) -> JobSpec:
+        ns = namespace_for(self.settings, self.fingerprint, tenant)
+        return JobSpec(
+            tokens=tokens,
+            chain=chain if chain is not None else [k.hex() for k in ns.chain(tokens)],
+            chunk_size=POOL_CHUNK,
+            model=self.fingerprint,
+            tenant_salt=tenant,
+            sampling=SamplingParams(**{"max_tokens": 24, "temperature": 0.0, **sampling}),
+            enqueued_at=time.time(),
+        )
+
+    def submit(self, spec: JobSpec, *, worker: str | None = None, attempts: int = 3) -> str:
+        queue = worker_queue(worker) if worker else self.settings.queue
+        return submit(self.conn, spec, queue=queue, attempts=attempts).id
+
+    def collect(self, job_id: str, timeout_s: float = 120.0) -> Outcome:
+        out = Outcome(result=None)
+        for ev in events(self.conn, job_id, timeout_s=timeout_s):
+            if isinstance(ev, StartEvent):
+                out.starts.append(ev)
+                out.tokens.clear()
+            elif isinstance(ev, TokenEvent):
+                out.tokens.append(ev)
+            elif isinstance(ev, DoneEvent):
+                out.result = ev.result
+            elif isinstance(ev, ErrorEvent):
+                out.error = ev
+        return out
+
+    def run(self, tokens: list[int], *, worker: str | None = None, **kw: object) -> JobResult:
+        out = self.collect(self.submit(self.spec(tokens, **kw), worker=worker))
+        assert out.result is not None, f"job failed: {out.error}"
+        return out.result
+
+
+@pytest.fixture
+def client(redis_url: str, tiny_model: Path) -> PoolClient:
+    return PoolClient(redis.Redis.from_url(redis_url), tiny_model)
+
+
+@pytest.fixture(scope="session")
+def cold_llm(tiny_model: Path) -> llama_cpp.Llama:
+    """The tiny model in this process, with the workers' KV layout, for cold reference runs."""
+    return llama_cpp.Llama(str(tiny_model), n_ctx=2048, n_threads=1, verbose=False, flash_attn=False)
+
+
+def cold_greedy(llm: llama_cpp.Llama, tokens: list[int], n: int) -> list[int]:
+    """Greedy continuation of ``tokens`` evaluated from scratch, stopping at end-of-generation like the worker."""
+    llm.reset()
+    out: list[int] = []
+    for tok in llm.generate(tokens, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, reset=True):
+        if llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok) or len(out) >= n:
+            break
+        out.append(tok)
+    llm.reset()
+    return out
+
+
+def prompt_text(seed: int, words: int) -> str:
+    rng = np.random.default_rng(seed)
+    vocab = "the a of and to in is was for on that with as by at from this be or an are it his her they we you".split()
+    vocab += "river mountain signal engine memory garden window silver letter market winter harbor lantern".split()
+    return " ".join(rng.choice(vocab, words))

@@ -1,0 +1,67 @@
+"""The client side of jobs: enqueue a `JobSpec`, read its events, cancel it. Used by the gateway and batch jobs."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import redis
+from pydantic import TypeAdapter
+from rq import Queue, Retry
+from rq.job import Job
+
+from worker.protocol import DoneEvent, ErrorEvent, JobSpec, StartEvent, TokenEvent, cancel_key, stream_key
+
+Event = StartEvent | TokenEvent | DoneEvent | ErrorEvent
+_EVENT = TypeAdapter(Event)
+
+
+def submit(
+    conn: redis.Redis,
+    spec: JobSpec,
+    *,
+    queue: str,
+    attempts: int = 3,
+    timeout_s: int = 600,
+    job_id: str | None = None,
+    depends_on: Job | str | None = None,
+) -> Job:
+    """Enqueue ``spec`` for the workers listening on ``queue``; a dead worker's job is tried again up to ``attempts`` times."""
+    return Queue(queue, connection=conn).enqueue(
+        "worker.jobs.run_job",
+        spec.model_dump(),
+        job_id=job_id,
+        job_timeout=timeout_s,
+        result_ttl=3600,
+        failure_ttl=3600,
+        retry=Retry(max=attempts - 1) if attempts > 1 else None,
+        depends_on=depends_on,
+    )
+
+
+def events(conn: redis.Redis, job_id: str, *, timeout_s: float = 600.0, block_ms: int = 1000) -> Iterator[Event]:
+    """Yield the job's events from the start, until a final one (done, or an error not retried).
+
+    Raises `TimeoutError` when nothing arrives for ``timeout_s`` seconds.
+    """
+    key, last = stream_key(job_id), "0"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = conn.xread({key: last}, count=256, block=block_ms)
+        if not batch:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no event from job {job_id} for {timeout_s:.0f} s")
+            continue
+        deadline = time.monotonic() + timeout_s
+        for entry_id, fields in batch[0][1]:
+            last = entry_id
+            event = _EVENT.validate_python(json.loads(fields[b"e"]))
+            yield event
+            if isinstance(event, DoneEvent) or (isinstance(event, ErrorEvent) and not event.retrying):
+                return
+
+
+def cancel(conn: redis.Redis, job_id: str, ttl_s: int = 600) -> None:
+    """Ask the worker to stop generating (within one token); a job still queued is dropped when it starts."""
+    conn.set(cancel_key(job_id), 1, ex=ttl_s)

@@ -1,0 +1,103 @@
+"""The RQ job function and the Redis stream it writes to.
+
+The gateway enqueues ``worker.jobs.run_job`` with a `JobSpec` as a dict. It runs inside
+a kvpool worker process, which loaded the model once at start-up and registered its
+engine here with `set_engine`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING
+
+import redis
+from pydantic import BaseModel, ValidationError
+from rq import get_current_job
+
+from worker import metrics
+from worker.protocol import DoneEvent, ErrorEvent, JobRejected, JobSpec, StartEvent, cancel_key, stream_key
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
+
+log = logging.getLogger("kvpool.worker.jobs")
+
+STREAM_MAXLEN = 4096
+
+_engine: Engine | None = None
+
+
+def set_engine(engine: Engine | None) -> None:
+    global _engine
+    _engine = engine
+
+
+class JobStream:
+    """Writes a job's events to its Redis stream; every write also reports whether the client cancelled."""
+
+    def __init__(self, conn: redis.Redis, job_id: str, ttl_s: int) -> None:
+        self.conn = conn
+        self.key = stream_key(job_id)
+        self.cancel = cancel_key(job_id)
+        self.ttl_s = ttl_s
+
+    def send(self, event: BaseModel) -> bool:
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.xadd(self.key, {"e": event.model_dump_json(exclude_none=True)}, maxlen=STREAM_MAXLEN, approximate=True)
+        pipe.expire(self.key, self.ttl_s)
+        pipe.exists(self.cancel)
+        return not pipe.execute()[-1]
+
+
+def run_job(spec: dict) -> dict:
+    """Answer one completion job; returns the `JobResult` as a dict (also sent as the stream's last event)."""
+    job = get_current_job()
+    if job is None or _engine is None:
+        raise RuntimeError("run_job runs only inside a kvpool worker (kvpool worker)")
+    engine = _engine
+    stream = JobStream(job.connection, job.id, engine.settings.stream_ttl_s)
+    attempt = engine.settings.job_attempts - (job.retries_left or 0)
+    stream.send(StartEvent(attempt=attempt, worker=engine.name))
+    labels = engine.labels
+    try:
+        parsed = JobSpec.model_validate(spec)
+        if job.connection.exists(cancel_key(job.id)):
+            raise _Cancelled
+        result = engine.run(parsed, stream.send)
+    except _Cancelled:
+        metrics.JOBS.labels(**labels, outcome="cancelled").inc()
+        return {"finish_reason": "cancelled"}
+    except (JobRejected, ValidationError) as e:
+        job.retries_left = 0
+        reason = f"rejected: {e}" if isinstance(e, JobRejected) else f"rejected: bad job: {e.errors()[0]['msg']}"
+        stream.send(ErrorEvent(error=reason, retrying=False))
+        metrics.JOBS.labels(**labels, outcome="rejected").inc()
+        log.warning("job.rejected", extra={"job": job.id, "reason": reason})
+        raise JobRejected(reason) from None
+    except Exception as e:
+        engine.forget_context()
+        retrying = bool(job.retries_left)
+        stream.send(ErrorEvent(error=f"{type(e).__name__}: {e}", retrying=retrying))
+        metrics.JOBS.labels(**labels, outcome="error").inc()
+        log.exception("job.failed", extra={"job": job.id, "retrying": retrying})
+        raise
+    stream.send(DoneEvent(result=result))
+    metrics.JOBS.labels(**labels, outcome=result.finish_reason).inc()
+    log.info(
+        "job.done",
+        extra={
+            "job": job.id,
+            "prompt_tokens": result.usage.prompt_tokens,
+            "cached_context": result.usage.cached_from_context,
+            "cached_store": result.usage.cached_from_store,
+            "completion_tokens": result.usage.completion_tokens,
+            "ttft_s": round(result.timings.first_token_s, 4),
+            "total_s": round(result.timings.total_s, 4),
+        },
+    )
+    return json.loads(result.model_dump_json())
+
+
+class _Cancelled(Exception):
+    pass

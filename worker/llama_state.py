@@ -1,0 +1,285 @@
+"""Read and restore one sequence's KV state through llama-cpp-python's low-level bindings.
+
+The byte layout of the state and how it is cut into chunks is :mod:`worker.kvchunks`'s
+business; this module only moves blobs in and out of a ``llama_cpp.Llama`` and reports
+the facts about its KV cache that decide whether and how chunks may be shared.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+
+from worker.kvchunks import (
+    GGML_BLOCKS,
+    GGML_TYPE_BF16,
+    GGML_TYPE_F16,
+    GGML_TYPE_F32,
+    GGML_TYPE_IQ4_NL,
+    GGML_TYPE_Q4_0,
+    GGML_TYPE_Q4_1,
+    GGML_TYPE_Q5_0,
+    GGML_TYPE_Q5_1,
+    GGML_TYPE_Q8_0,
+    Buffer,
+    StateFormatError,
+    StateLayout,
+    describe_state,
+    state_cell_count,
+)
+
+CACHE_TYPES: dict[str, int] = {
+    "f32": GGML_TYPE_F32,
+    "f16": GGML_TYPE_F16,
+    "bf16": GGML_TYPE_BF16,
+    "q8_0": GGML_TYPE_Q8_0,
+    "q4_0": GGML_TYPE_Q4_0,
+    "q4_1": GGML_TYPE_Q4_1,
+    "q5_0": GGML_TYPE_Q5_0,
+    "q5_1": GGML_TYPE_Q5_1,
+    "iq4_nl": GGML_TYPE_IQ4_NL,
+}
+CACHE_TYPE_NAMES = {v: k for k, v in CACHE_TYPES.items()}
+
+ATTN_ROT_ENV = "LLAMA_ATTN_ROT_DISABLE"
+"""llama.cpp reads this when it creates a context; it changes the bytes of a quantized cache."""
+
+
+class StateReadError(RuntimeError):
+    """llama.cpp could not write the sequence's state."""
+
+
+class StateRestoreError(RuntimeError):
+    """llama.cpp did not load the whole blob; the sequence has been left empty."""
+
+
+def cache_type_id(cache_type: str | int) -> int:
+    """The ggml type id of a KV cache type given by name (``"f16"``, ``"q8_0"``, ...) or id."""
+    if isinstance(cache_type, int):
+        if cache_type not in CACHE_TYPE_NAMES:
+            raise ValueError(f"unsupported KV cache type id {cache_type}")
+        return cache_type
+    try:
+        return CACHE_TYPES[cache_type.lower()]
+    except KeyError:
+        raise ValueError(f"unsupported KV cache type {cache_type!r}; one of {sorted(CACHE_TYPES)}") from None
+
+
+def _is_quantized(ggml_type: int) -> bool:
+    return GGML_BLOCKS[ggml_type][0] > 1
+
+
+def open_llama(
+    model_path: str | Path,
+    *,
+    flash_attn: bool,
+    type_k: str | int = "f16",
+    type_v: str | int | None = None,
+    n_ctx: int = 512,
+    n_batch: int = 512,
+    n_threads: int | None = None,
+    verbose: bool = False,
+    **kwargs: Any,
+) -> llama_cpp.Llama:
+    """A ``Llama`` with the given KV layout. ``type_v`` defaults to ``type_k``.
+
+    llama-cpp-python 0.3.36 maps ``flash_attn`` to ``flash_attn_type`` ENABLED/DISABLED
+    (never AUTO), so the V layout is fixed by this flag: off means V is stored transposed.
+    """
+    k = cache_type_id(type_k)
+    v = k if type_v is None else cache_type_id(type_v)
+    if _is_quantized(v) and not flash_attn:
+        raise ValueError("a quantized V cache requires flash attention")
+    return llama_cpp.Llama(
+        model_path=str(model_path),
+        n_ctx=n_ctx,
+        n_batch=n_batch,
+        n_threads=n_threads,
+        flash_attn=flash_attn,
+        type_k=k,
+        type_v=v,
+        verbose=verbose,
+        **kwargs,
+    )
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """Facts about a context's KV cache that decide whether (and under which key) state can be shared."""
+
+    type_k: int
+    type_v: int
+    flash_attn: bool
+    n_layer: int
+    n_embd_k_gqa: int
+    n_embd_v_gqa: int
+    attn_rot_k: bool
+    attn_rot_v: bool
+    """Hadamard rotation of a quantized cache (off under ``LLAMA_ATTN_ROT_DISABLE``): it changes the bytes."""
+    cuttable: bool
+    """The sequence state is one plain KV cache section that can be cut by position."""
+    reason: str | None
+    """Why it cannot be cut, when it cannot."""
+
+    @property
+    def v_trans(self) -> bool:
+        return not self.flash_attn
+
+    @property
+    def state_layout(self) -> StateLayout:
+        """The expected per-token layout, assuming every layer has the same K/V width."""
+        return StateLayout.uniform(self.n_layer, self.n_embd_k_gqa, self.n_embd_v_gqa, self.type_k, self.type_v)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.state_layout.bytes_per_token
+
+
+def kv_layout(llm: llama_cpp.Llama) -> KvLayout:
+    """The KV layout of ``llm``'s context.
+
+    ``attn_rot_*`` reflect ``LLAMA_ATTN_ROT_DISABLE`` as it is now; llama.cpp read it when
+    the context was created, so do not change it in between.
+    """
+    model, params = llm.model, llm.context_params
+    n_head = llama_cpp.llama_model_n_head(model)
+    n_head_kv = llama_cpp.llama_model_n_head_kv(model)
+    arch = llm.metadata.get("general.architecture", "")
+    default_head = llama_cpp.llama_model_n_embd(model) // max(n_head, 1)
+    head_k = int(llm.metadata.get(f"{arch}.attention.key_length", default_head))
+    head_v = int(llm.metadata.get(f"{arch}.attention.value_length", default_head))
+    type_k, type_v = int(params.type_k), int(params.type_v)
+    flash_attn = params.flash_attn_type != llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    rot_disabled = bool(int(os.environ.get(ATTN_ROT_ENV, "0") or "0"))
+
+    reason = None
+    rope_type = llama_cpp.llama_model_rope_type(model)
+    if llama_cpp.llama_model_is_recurrent(model):
+        reason = "recurrent state is one fixed block per sequence"
+    elif llama_cpp.llama_model_is_hybrid(model):
+        reason = "hybrid attention/recurrent memory"
+    elif llama_cpp.llama_model_n_swa(model) > 0:
+        reason = "sliding-window cache keeps only the window and writes a second section"
+    elif llama_cpp.llama_model_has_encoder(model):
+        reason = "encoder-decoder model"
+    elif rope_type in (
+        llama_cpp.LLAMA_ROPE_TYPE_MROPE,
+        llama_cpp.LLAMA_ROPE_TYPE_IMROPE,
+        llama_cpp.LLAMA_ROPE_TYPE_VISION,
+    ):
+        reason = "multi-dimensional positions are not one per token"
+    elif params.n_seq_max > 1 and not params.kv_unified:
+        reason = "the cache has one stream per sequence"
+
+    return KvLayout(
+        type_k=type_k,
+        type_v=type_v,
+        flash_attn=flash_attn,
+        n_layer=llama_cpp.llama_model_n_layer(model),
+        n_embd_k_gqa=n_head_kv * head_k,
+        n_embd_v_gqa=n_head_kv * head_v,
+        attn_rot_k=not rot_disabled and type_k in GGML_BLOCKS and _is_quantized(type_k) and head_k % 64 == 0,
+        attn_rot_v=not rot_disabled and type_v in GGML_BLOCKS and _is_quantized(type_v) and head_v % 64 == 0,
+        cuttable=reason is None,
+        reason=reason,
+    )
+
+
+def read_seq_state(llm: llama_cpp.Llama, seq_id: int = 0) -> bytes:
+    """``llama_state_seq_get_data`` for one sequence (flags 0)."""
+    size = llama_cpp.llama_state_seq_get_size(llm.ctx, seq_id)
+    if size == 0:
+        raise StateReadError(f"llama_state_seq_get_size failed for sequence {seq_id}")
+    buf = (ctypes.c_uint8 * size)()
+    written = llama_cpp.llama_state_seq_get_data(llm.ctx, buf, size, seq_id)
+    if written != size:
+        raise StateReadError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+    return bytes(buf)
+
+
+def clear_seq(llm: llama_cpp.Llama, seq_id: int = 0) -> None:
+    """Remove every cell of the sequence; for sequence 0 also reset the wrapper's token record."""
+    mem = llama_cpp.llama_get_memory(llm.ctx)
+    if mem is not None:
+        llama_cpp.llama_memory_seq_rm(mem, seq_id, -1, -1)
+    if seq_id == 0:
+        llm.n_tokens = 0
+        llm._requires_eval = True  # noqa: SLF001 - generate() must decode before it samples
+
+
+def restore_seq_state(
+    llm: llama_cpp.Llama, state: Buffer, tokens: Sequence[int], seq_id: int = 0, *, check: bool = True
+) -> None:
+    """Load ``state`` into sequence ``seq_id`` and record ``tokens`` as what it holds.
+
+    The sequence is cleared first. llama.cpp returns the bytes it consumed and ignores
+    trailing ones, and it accepts positions that do not start at 0, so anything but a
+    full load raises :class:`StateRestoreError` with the sequence left empty. With
+    ``check`` the blob is also parsed first: it must hold ``len(tokens)`` cells at
+    positions ``0..len(tokens)-1``; pass ``check=False`` for blobs of caches
+    :mod:`worker.kvchunks` cannot parse (sliding-window, recurrent).
+
+    ``Llama.eval`` removes every cell past ``llm.n_tokens`` before decoding, so for
+    sequence 0 (the only one the wrapper tracks) ``n_tokens`` and ``input_ids`` are set
+    to ``tokens``; the next ``eval`` then appends after them.
+    """
+    n = len(tokens)
+    clear_seq(llm, seq_id)
+    if n > llm.n_ctx():
+        raise StateRestoreError(f"{n} tokens do not fit a context of {llm.n_ctx()}")
+    if check:
+        _check_blob(state, n)
+    if n == 0:
+        return
+
+    _keep_alive, src = _as_uint8_pointer(state)
+    consumed = llama_cpp.llama_state_seq_set_data(llm.ctx, src, len(state), seq_id)
+    if consumed != len(state):
+        clear_seq(llm, seq_id)
+        raise StateRestoreError(
+            f"llama_state_seq_set_data consumed {consumed} of {len(state)} bytes"
+            + (" (rejected; see llama.cpp's log)" if consumed == 0 else " (trailing bytes)")
+        )
+    if check:
+        mem = llama_cpp.llama_get_memory(llm.ctx)
+        lo = llama_cpp.llama_memory_seq_pos_min(mem, seq_id)
+        hi = llama_cpp.llama_memory_seq_pos_max(mem, seq_id)
+        if (lo, hi) != (0, n - 1):
+            clear_seq(llm, seq_id)
+            raise StateRestoreError(f"restored positions {lo}..{hi}, expected 0..{n - 1}")
+    if seq_id == 0:
+        llm.input_ids[:n] = tokens
+        llm.n_tokens = n
+
+
+def _check_blob(state: Buffer, n_tokens: int) -> None:
+    try:
+        if n_tokens == 0:
+            if state_cell_count(state) != 0:
+                raise StateRestoreError("a non-empty state was given with no tokens")
+            return
+        info = describe_state(state)
+    except StateFormatError as e:
+        raise StateRestoreError(f"not a loadable single-sequence state: {e}") from e
+    if info.n_cells != n_tokens:
+        raise StateRestoreError(f"state holds {info.n_cells} cells for {n_tokens} tokens")
+    if not (info.contiguous and info.pos_min == 0):
+        raise StateRestoreError(f"state positions are not 0..{n_tokens - 1}")
+
+
+def _as_uint8_pointer(state: Buffer) -> tuple[object, Any]:
+    """A ``uint8_t *`` to the blob without copying it where possible, and what keeps it alive."""
+    if isinstance(state, bytes):
+        return state, ctypes.cast(ctypes.c_char_p(state), ctypes.POINTER(ctypes.c_uint8))
+    view = memoryview(state).cast("B")
+    if view.readonly or not view.c_contiguous:
+        arr = (ctypes.c_uint8 * len(view)).from_buffer_copy(view)
+    else:
+        arr = (ctypes.c_uint8 * len(view)).from_buffer(view)
+    return arr, ctypes.cast(arr, ctypes.POINTER(ctypes.c_uint8))

@@ -1,0 +1,26 @@
+"""Prometheus metrics of a worker (prefix ``kvpool_worker_``). Labels carry the model and KV layout."""
+
+from prometheus_client import Counter, Gauge, Histogram, Info
+
+_L = ["model", "layout"]
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+INFO = Info("kvpool_worker", "The worker's model, KV layout and whether it restores from the store.")
+PROMPT_TOKENS = Counter("kvpool_worker_prompt_tokens_total", "Prompt tokens received.", _L)
+REUSED_TOKENS = Counter("kvpool_worker_reused_tokens_total", "Prompt tokens reused from this worker's own context.", _L)
+RESTORED_TOKENS = Counter("kvpool_worker_restored_tokens_total", "Prompt tokens restored from the store.", _L)
+EVALUATED_TOKENS = Counter("kvpool_worker_evaluated_tokens_total", "Prompt tokens evaluated by the model.", _L)
+GENERATED_TOKENS = Counter("kvpool_worker_generated_tokens_total", "Tokens generated.", _L)
+FIRST_TOKEN_SECONDS = Histogram("kvpool_worker_time_to_first_token_seconds", "Job start to first token.", _L, buckets=_SECONDS)
+RESTORE_SECONDS = Histogram("kvpool_worker_restore_seconds", "Fetching, verifying and loading state from the store.", _L, buckets=_SECONDS)
+RESTORE_BYTES = Counter("kvpool_worker_restore_bytes_total", "Bytes of state loaded from the store.", _L)
+PUBLISH_SECONDS = Histogram("kvpool_worker_publish_seconds", "Cutting and publishing new chunks (in the background).", _L, buckets=_SECONDS)
+PUBLISH_BYTES = Counter("kvpool_worker_publish_bytes_total", "Payload bytes published to the store.", _L)
+PUBLISH_ERRORS = Counter("kvpool_worker_publish_errors_total", "Publish tasks that failed or were dropped.", _L + ["reason"])
+JOBS = Counter("kvpool_worker_jobs_total", "Jobs by outcome.", _L + ["outcome"])
+TOKENS_PER_SECOND = Histogram(
+    "kvpool_worker_generation_tokens_per_second", "Generation speed per job.", _L, buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500)
+)
+RESTORE_ENABLED = Gauge("kvpool_worker_restore_enabled", "1 when the start-up layout check passed and restores are on.", _L)
+COLD_FALLBACKS = Counter("kvpool_worker_cold_fallbacks_total", "Jobs evaluated cold that the store could have served, by reason.", _L + ["reason"])
+BUSY = Gauge("kvpool_worker_busy", "1 while the worker runs a job.", _L)

@@ -1,0 +1,125 @@
+"""What a job is, what it streams and what it returns: the contract between the gateway and the workers.
+
+No llama.cpp here: the gateway imports this module to build jobs and read their streams.
+
+A job's tokens go out on a Redis stream (``kvpool:stream:<job id>``) as they are made,
+one entry per event, each a single field ``e`` holding JSON:
+
+* ``{"type": "start", "attempt": 1, "worker": "..."}`` -- each attempt begins anew (a
+  job whose worker died is run again by another, from the start)
+* ``{"type": "token", "text": "...", "token": 123, "logprob": -0.4, "top_logprobs": {...}}``
+* ``{"type": "done", "result": {...JobResult...}}``
+* ``{"type": "error", "error": "...", "retrying": false}``
+
+The stream is trimmed to a bounded length and expires a while after its last entry.
+A client that goes away sets ``kvpool:cancel:<job id>``; the worker checks it at every
+token and stops within one.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+STREAM_PREFIX = "kvpool:stream:"
+CANCEL_PREFIX = "kvpool:cancel:"
+SHARED_QUEUE = "kvpool"
+WORKER_QUEUE_PREFIX = "kvpool:worker:"
+
+
+def stream_key(job_id: str) -> str:
+    return STREAM_PREFIX + job_id
+
+
+def cancel_key(job_id: str) -> str:
+    return CANCEL_PREFIX + job_id
+
+
+def worker_queue(worker_name: str) -> str:
+    """The queue only this worker listens to (before the shared one)."""
+    return WORKER_QUEUE_PREFIX + worker_name
+
+
+class SamplingParams(BaseModel):
+    max_tokens: int = Field(16, ge=0)
+    temperature: float = Field(0.8, ge=0.0)
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    top_k: int = Field(40, ge=0)
+    min_p: float = Field(0.05, ge=0.0, le=1.0)
+    repeat_penalty: float = Field(1.0, gt=0.0)
+    seed: int | None = Field(None, ge=0, lt=2**32)
+    stop: list[str] = Field(default_factory=list)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    logit_bias: dict[int, float] = Field(default_factory=dict, description="Token id -> bias added to its logit (-100 bans it).")
+
+
+class JobSpec(BaseModel):
+    """One completion request, already tokenized and hashed by the gateway."""
+
+    tokens: list[int] = Field(min_length=1)
+    chain: list[str] = Field(description="Hex keys of the prompt's full chunks, as the gateway computed them.")
+    chunk_size: int = Field(ge=1)
+    model: str = Field(description="Model fingerprint the gateway tokenized for.")
+    tenant_salt: str = ""
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    enqueued_at: float = Field(description="Unix time the gateway enqueued the job (for queue wait).")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cached_from_context: int
+    cached_from_store: int
+    evaluated_tokens: int
+
+
+class Timings(BaseModel):
+    queue_wait_s: float = 0.0
+    lookup_s: float = 0.0
+    fetch_s: float = 0.0
+    restore_s: float = 0.0
+    prompt_eval_s: float = 0.0
+    first_token_s: float = 0.0
+    total_s: float = 0.0
+
+
+class JobResult(BaseModel):
+    text: str
+    finish_reason: Literal["stop", "length", "cancelled"]
+    tokens: list[int]
+    usage: Usage
+    timings: Timings
+    worker: str
+    store_status: Literal["ok", "unavailable", "disabled"] = "ok"
+    logprobs: list[float] | None = None
+
+
+class StartEvent(BaseModel):
+    type: Literal["start"] = "start"
+    attempt: int
+    worker: str
+
+
+class TokenEvent(BaseModel):
+    type: Literal["token"] = "token"
+    text: str
+    token: int
+    logprob: float | None = None
+    top_logprobs: dict[str, float] | None = None
+
+
+class DoneEvent(BaseModel):
+    type: Literal["done"] = "done"
+    result: JobResult
+
+
+class ErrorEvent(BaseModel):
+    type: Literal["error"] = "error"
+    error: str
+    retrying: bool = False
+
+
+class JobRejected(Exception):
+    """A job that can never succeed (wrong model, keys that disagree with the tokens, too long): not retried."""

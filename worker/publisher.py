@@ -1,0 +1,88 @@
+"""Publishing in the background: new full chunks go to the store while generation goes on.
+
+The engine hands over a copy of the sequence state (a memcpy, milliseconds) and moves
+on; a thread finds which chunks the store lacks, cuts just those and publishes them.
+When the store is slow and tasks pile up past the queue bound, new tasks are dropped
+and counted rather than holding up a job: the next request simply re-publishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+from store.chain import Namespace
+from store.errors import StoreError
+from store.store import Store
+from worker import metrics
+from worker.kvchunks import StateFormatError, cut_state
+
+log = logging.getLogger("kvpool.worker.publish")
+
+_STOP = object()
+
+
+class Publisher:
+    def __init__(self, store: Store, max_pending: int, labels: dict[str, str]) -> None:
+        self.store = store
+        self.labels = labels
+        self._tasks: queue.Queue[object] = queue.Queue(maxsize=max_pending)
+        self._thread = threading.Thread(target=self._run, name="kvpool-publisher", daemon=True)
+        self._thread.start()
+
+    def submit(self, ns: Namespace, tokens: Sequence[int], state: bytes) -> bool:
+        """Queue the full chunks of ``tokens`` (whose cells ``state`` holds) for publishing; False if dropped."""
+        try:
+            self._tasks.put_nowait((ns, list(tokens), state))
+            return True
+        except queue.Full:
+            metrics.PUBLISH_ERRORS.labels(**self.labels, reason="queue_full").inc()
+            log.warning("publish.dropped", extra={"reason": "queue full", "tokens": len(tokens)})
+            return False
+
+    def wait_idle(self, timeout_s: float = 30.0) -> bool:
+        """Block until every queued task is done (for tests, benchmarks and shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._tasks.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self.wait_idle(timeout_s)
+        self._tasks.put(_STOP)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            task = self._tasks.get()
+            try:
+                if task is _STOP:
+                    return
+                self._publish(*task)  # type: ignore[misc]
+            except (StoreError, StateFormatError) as e:
+                metrics.PUBLISH_ERRORS.labels(**self.labels, reason=type(e).__name__).inc()
+                log.warning("publish.failed", extra={"error": type(e).__name__, "reason": str(e)})
+            except Exception:
+                metrics.PUBLISH_ERRORS.labels(**self.labels, reason="unexpected").inc()
+                log.exception("publish.failed")
+            finally:
+                self._tasks.task_done()
+
+    def _publish(self, ns: Namespace, tokens: list[int], state: bytes) -> None:
+        t0 = time.perf_counter()
+        keys = ns.chain(tokens)
+        present = self.store.index.present(keys)
+        if all(present):
+            return
+        first = present.index(False)
+        payloads = cut_state(state, ns.chunk_size, first, len(keys))
+        todo = {i: p for i, p in zip(range(first, len(keys)), payloads) if not present[i]}
+        added = self.store.publish(ns, tokens, keys, todo)
+        metrics.PUBLISH_SECONDS.labels(**self.labels).observe(time.perf_counter() - t0)
+        metrics.PUBLISH_BYTES.labels(**self.labels).inc(sum(len(p) for p in todo.values()))
+        log.info("publish.done", extra={"chunks": added, "from_chunk": first, "to_chunk": len(keys)})

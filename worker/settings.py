@@ -1,0 +1,28 @@
+"""Settings of a worker process (``KVPOOL_`` environment variables), extending the store's."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from store.settings import StoreSettings
+
+
+class WorkerSettings(StoreSettings):
+    model: str = Field("", description="GGUF model path (or s3://bucket/key). Empty: the generated demo model.")
+    n_ctx: int = Field(4096, ge=64, description="Context size of each worker (tokens).")
+    n_batch: int = Field(512, ge=1, description="Prompt evaluation batch size.")
+    n_threads: int | None = Field(None, ge=1, description="CPU threads per worker (default: llama.cpp's choice).")
+    n_gpu_layers: int = Field(0, description="Layers offloaded to a GPU, when llama.cpp was built with one.")
+    flash_attn: bool = Field(False, description="Use flash attention (required for a quantized V cache).")
+    type_k: str = Field("f16", description="K cache type: f16, f32, q8_0, q4_0, ...")
+    type_v: str = Field("f16", description="V cache type: f16, f32, q8_0, q4_0, ...")
+    worker_name: str = Field("", description="Worker name (default: host and pid).")
+    queue: str = Field("kvpool", description="The shared job queue.")
+    job_attempts: int = Field(3, ge=1, le=10, description="Times a job is tried when its worker dies.")
+    job_timeout_s: int = Field(600, ge=1, description="Longest a single job may run.")
+    heartbeat_s: float = Field(2.0, gt=0, description="How often a busy worker proves it is alive.")
+    stream_ttl_s: int = Field(300, ge=1, description="How long a job's token stream is kept after its last event.")
+    publish: bool = Field(True, description="Publish newly evaluated chunks to the store.")
+    publish_queue: int = Field(8, ge=1, description="Pending publish tasks before new ones are dropped.")
+    self_check: bool = Field(True, description="Check at start-up that cut, rebuild and restore reproduce the cold logits.")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics on this port (0: any free port).")
