@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,12 @@ CACHE_TYPE_NAMES = {v: k for k, v in CACHE_TYPES.items()}
 
 ATTN_ROT_ENV = "LLAMA_ATTN_ROT_DISABLE"
 """llama.cpp reads this when it creates a context; it changes the bytes of a quantized cache."""
+
+
+def attn_rot_disabled() -> bool:
+    """``LLAMA_ATTN_ROT_DISABLE`` read as llama.cpp does (``atoi``): unset, empty, 0 or text leave rotation on."""
+    m = re.match(r"\s*([+-]?\d+)", os.environ.get(ATTN_ROT_ENV, ""))
+    return bool(m and int(m.group(1)))
 
 
 class StateReadError(RuntimeError):
@@ -156,7 +163,7 @@ def kv_layout(llm: llama_cpp.Llama) -> KvLayout:
     head_v = int(llm.metadata.get(f"{arch}.attention.value_length", default_head))
     type_k, type_v = int(params.type_k), int(params.type_v)
     flash_attn = params.flash_attn_type != llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    rot_disabled = bool(int(os.environ.get(ATTN_ROT_ENV, "0") or "0"))
+    rot_disabled = attn_rot_disabled()
 
     reason = None
     rope_type = llama_cpp.llama_model_rope_type(model)

@@ -10,13 +10,11 @@ cache without changing anything else.
 
 from __future__ import annotations
 
-import os
-
 import llama_cpp
 
 from store.chain import KVLayout, Namespace
 from worker.kvchunks import PAYLOAD_VERSION
-from worker.llama_state import ATTN_ROT_ENV
+from worker.llama_state import attn_rot_disabled
 from worker.settings import WorkerSettings
 
 
@@ -25,7 +23,7 @@ def chain_layout(type_k: str, type_v: str, flash_attn: bool) -> KVLayout:
         type_k.lower(),
         type_v.lower(),
         flash_attn,
-        {"payload": str(PAYLOAD_VERSION), "llama_cpp": llama_cpp.__version__, ATTN_ROT_ENV: os.environ.get(ATTN_ROT_ENV, "")},
+        {"payload": str(PAYLOAD_VERSION), "llama_cpp": llama_cpp.__version__, "attn_rot": "off" if attn_rot_disabled() else "on"},
     )
 
 

@@ -1,0 +1,25 @@
+"""The start-up check passes on every supported layout and fails, rather than trusting, a wrong assembly."""
+
+from dataclasses import replace
+
+import pytest
+
+from worker.llama_state import kv_layout, open_llama
+from worker.selfcheck import check_restore
+
+
+@pytest.mark.parametrize(
+    "flash_attn,cache", [(False, "f16"), (True, "f16"), (True, "q8_0")], ids=["f16", "f16-flash", "q8_0-flash"]
+)
+def test_round_trip_reproduces_cold_logits(tiny_model, flash_attn: bool, cache: str) -> None:
+    llm = open_llama(tiny_model, flash_attn=flash_attn, type_k=cache, n_ctx=256, n_threads=2)
+    ok, detail = check_restore(llm, kv_layout(llm))
+    assert ok, detail
+    assert llm.n_tokens == 0
+
+
+def test_a_rebuild_for_the_wrong_v_layout_fails_the_check(tiny_model) -> None:
+    llm = open_llama(tiny_model, flash_attn=True, n_ctx=256, n_threads=2)
+    wrong = replace(kv_layout(llm), flash_attn=False)
+    ok, detail = check_restore(llm, wrong)
+    assert not ok and "StateRestoreError" in detail
