@@ -109,6 +109,12 @@ class Engine:
     def namespace(self, tenant_salt: str) -> Namespace:
         return Namespace(self.fingerprint, self.layout, self.settings.chunk_size, tenant_salt)
 
+    def held_keys(self) -> list[bytes]:
+        """Chain keys of the full chunks in the context, under the tenant that filled it."""
+        if self.context_tenant is None or self.llm.n_tokens == 0:
+            return []
+        return self.namespace(self.context_tenant).chain(self.llm.input_ids[: self.llm.n_tokens])
+
     def forget_context(self) -> None:
         """After a failed job the context's contents are unknown: start the next one from scratch."""
         self.context_tenant = None
@@ -171,7 +177,8 @@ class Engine:
                 if lp is not None:
                     logprobs.append(lp)
                 text = stream.push(tok)
-                if not emit(TokenEvent(text=text, token=tok, logprob=lp, top_logprobs=top)):
+                piece = self.llm.detokenize([tok]).decode("utf-8", "replace") if lp is not None else None
+                if not emit(TokenEvent(text=text, token=tok, piece=piece, logprob=lp, top_logprobs=top)):
                     finish = "cancelled"
                     break
                 if stream.stopped:

@@ -27,6 +27,7 @@ from rq.worker import WorkerStatus
 from store.errors import StoreError
 from store.store import Store
 from worker import jobs
+from worker.advert import advertise, adverts, withdraw
 from worker.engine import Engine
 from worker.protocol import WORKER_QUEUE_PREFIX, worker_queue
 from worker.settings import WorkerSettings
@@ -36,12 +37,29 @@ log = logging.getLogger("kvpool.worker")
 
 class KvpoolWorker(SimpleWorker):
     heartbeat_s: float = 2.0
+    engine: Engine | None = None
+    busy: bool = False
+
+    def advertise(self, busy: bool) -> None:
+        if self.engine is None:
+            return
+        try:
+            advertise(self.connection, self.name, self.engine.held_keys(), busy)
+        except redis.RedisError as e:
+            log.warning("advert.failed", extra={"reason": str(e)})
+
+    def heartbeat(self, timeout: int | None = None, pipeline=None):  # type: ignore[no-untyped-def]
+        super().heartbeat(timeout, pipeline)
+        if pipeline is None and not self.busy:
+            self.advertise(busy=False)
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         return int(self.heartbeat_s * 3) + 2
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         execution = self.prepare_execution(job)
+        self.busy = True
+        self.advertise(busy=True)
         done = threading.Event()
 
         def beat() -> None:
@@ -59,6 +77,8 @@ class KvpoolWorker(SimpleWorker):
             done.set()
             thread.join()
         self.set_state(WorkerStatus.IDLE)
+        self.busy = False
+        self.advertise(busy=False)
 
     def run_maintenance_tasks(self) -> None:
         super().run_maintenance_tasks()
@@ -69,8 +89,8 @@ class KvpoolWorker(SimpleWorker):
 
 
 def rescue_orphaned_queues(conn: redis.Redis, shared: Queue) -> int:
-    """Move jobs from the private queues of workers that are gone to the shared queue; returns how many."""
-    alive = {w.name for w in SimpleWorker.all(connection=conn)}
+    """Move jobs from the private queues of workers that are gone (their advert expired) to the shared queue."""
+    alive = {a.worker for a in adverts(conn)}
     moved = 0
     for q in Queue.all(connection=conn):
         if not q.name.startswith(WORKER_QUEUE_PREFIX) or q.name[len(WORKER_QUEUE_PREFIX) :] in alive:
@@ -116,6 +136,7 @@ def build_worker(settings: WorkerSettings, *, burst: bool = False) -> tuple[Kvpo
     queues = [Queue(worker_queue(name), connection=conn), Queue(settings.queue, connection=conn)]
     worker = KvpoolWorker(queues, connection=conn, name=name, worker_ttl=20, maintenance_interval=5, log_job_description=False)
     worker.heartbeat_s = settings.heartbeat_s
+    worker.engine = engine
     return worker, engine
 
 
@@ -133,5 +154,6 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
     try:
         worker.work(burst=burst, with_scheduler=False, logging_level=logging.getLevelName(logging.getLogger().level))
     finally:
+        withdraw(worker.connection, worker.name)
         engine.close()
         jobs.set_engine(None)

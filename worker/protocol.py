@@ -106,6 +106,7 @@ class TokenEvent(BaseModel):
     type: Literal["token"] = "token"
     text: str
     token: int
+    piece: str | None = Field(None, description="The token's own text; sent with logprobs.")
     logprob: float | None = None
     top_logprobs: dict[str, float] | None = None
 

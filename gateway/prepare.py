@@ -1,0 +1,102 @@
+"""From an OpenAI request body to a job: render, tokenize, check the limits, hash the chain."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.errors import ContextOverflow, InvalidRequest, NotFound
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.settings import GatewaySettings
+from gateway.tenants import Tenant
+from gateway.tokenizer import TemplateError, Tokenizer
+from store.fingerprint import fingerprint_file
+from worker.namespace import namespace_for
+from worker.protocol import JobSpec, SamplingParams
+
+
+@dataclass(frozen=True)
+class Prepared:
+    spec: JobSpec
+    keys: list[bytes]
+    chat: bool
+
+
+class Preparer:
+    """Holds what every request needs: the tokenizer, the model fingerprint and the settings."""
+
+    def __init__(self, settings: GatewaySettings, model_path: Path) -> None:
+        self.settings = settings
+        self.tokenizer = Tokenizer(model_path)
+        self.fingerprint = fingerprint_file(model_path)
+        self.model_name = settings.model_name or Path(model_path).name.removesuffix(".gguf")
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise NotFound(f"the model '{name}' does not exist; this gateway serves '{self.model_name}'", param="model", code="model_not_found")
+
+    def completion(self, req: CompletionRequest, tenant: Tenant) -> Prepared:
+        self.check_model(req.model)
+        if isinstance(req.prompt, str):
+            tokens = self.tokenizer.tokenize(req.prompt)
+        else:
+            tokens = list(req.prompt)  # type: ignore[arg-type]
+            bad = [t for t in tokens if not 0 <= t < self.tokenizer.n_vocab]
+            if bad:
+                raise InvalidRequest(f"token ids must lie in [0, {self.tokenizer.n_vocab}), got {bad[0]}", param="prompt")
+        return self._job(req, tokens, req.max_tokens, list(req.stop or []), req.logprobs, tenant, chat=False)
+
+    def chat(self, req: ChatCompletionRequest, tenant: Tenant) -> Prepared:
+        self.check_model(req.model)
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
+        try:
+            text = self.tokenizer.render_chat(messages)
+        except TemplateError as e:
+            raise InvalidRequest(str(e), param="messages") from None
+        tokens = self.tokenizer.tokenize(text, special=True)
+        stops = list(req.stop or []) + [s for s in self.tokenizer.chat_stops if s not in (req.stop or [])]
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        budget = req.token_budget(min(self.settings.max_tokens_default, max(1, self.settings.n_ctx - len(tokens) - 1)))
+        return self._job(req, tokens, budget, stops, logprobs, tenant, chat=True)
+
+    def _job(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        tokens: list[int],
+        max_tokens: int,
+        stop: list[str],
+        logprobs: int | None,
+        tenant: Tenant,
+        *,
+        chat: bool,
+    ) -> Prepared:
+        n_ctx = self.settings.n_ctx
+        if len(tokens) + max_tokens > n_ctx or len(tokens) >= n_ctx:
+            raise ContextOverflow(len(tokens), max_tokens, n_ctx)
+        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+        if any(k >= self.tokenizer.n_vocab for k in bias):
+            raise InvalidRequest(f"logit_bias token ids must lie in [0, {self.tokenizer.n_vocab})", param="logit_bias")
+        ns = namespace_for(self.settings, self.fingerprint, tenant.salt)
+        keys = ns.chain(tokens)
+        spec = JobSpec(
+            tokens=tokens,
+            chain=[k.hex() for k in keys],
+            chunk_size=ns.chunk_size,
+            model=self.fingerprint,
+            tenant_salt=tenant.salt,
+            sampling=SamplingParams(
+                max_tokens=max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                min_p=req.min_p,
+                repeat_penalty=req.repeat_penalty,
+                seed=req.seed,
+                stop=stop,
+                logprobs=logprobs,
+                logit_bias=bias,
+            ),
+            enqueued_at=time.time(),
+        )
+        return Prepared(spec, keys, chat)

@@ -1,0 +1,29 @@
+"""Settings of the gateway (``KVPOOL_`` environment variables).
+
+They extend the worker's: the gateway computes chain keys, so it must agree with the
+workers on the model file, the KV layout and the chunk size.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from worker.settings import WorkerSettings
+
+
+class GatewaySettings(WorkerSettings):
+    host: str = Field("127.0.0.1", description="Address the gateway listens on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port the gateway listens on.")
+    model_name: str = Field("", description="Model id served in the API (default: the GGUF file name without .gguf).")
+    api_keys: dict[str, str] = Field(
+        default_factory=dict,
+        description='API keys and the tenant each belongs to, as JSON: {"sk-a": "team-a", "sk-b": "team-a"}. Empty: no auth, one tenant.',
+    )
+    tenant_secret: str = Field(
+        "", description="Server-side secret mixed into each tenant's cache salt; set the same value on every gateway."
+    )
+    max_waiting_jobs: int = Field(64, ge=1, description="Waiting jobs beyond which requests get 503 with Retry-After.")
+    route_max_queue: int = Field(0, ge=0, description="Jobs already queued at a worker beyond which locality routing gives way to the shared queue.")
+    request_timeout_s: float = Field(300.0, gt=0, description="Longest a request may wait for its answer (504 after).")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted (bytes).")
+    max_tokens_default: int = Field(256, ge=1, description="max_tokens when a chat request does not say.")

@@ -1,0 +1,62 @@
+"""Tokenization and chat templates, done once per request in the gateway with a vocabulary-only model load."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import llama_cpp
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML, used when the GGUF file carries no ``tokenizer.chat_template``."""
+
+
+class TemplateError(ValueError):
+    """The chat template could not render these messages."""
+
+
+class Tokenizer:
+    def __init__(self, model_path: str | Path) -> None:
+        self.llm = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
+        meta = self.llm.metadata
+        self.n_vocab = self.llm.n_vocab()
+        self.n_ctx_train = int(meta.get(f"{meta.get('general.architecture', 'llama')}.context_length", 0) or 0)
+        self.bos_token = self._piece(self.llm.token_bos())
+        self.eos_token = self._piece(self.llm.token_eos())
+        source = meta.get("tokenizer.chat_template") or DEFAULT_CHAT_TEMPLATE
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+        env.globals["raise_exception"] = _raise
+        self.template = env.from_string(source)
+        self.chat_stops = [s for s in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>") if s in source]
+
+    def _piece(self, token: int) -> str:
+        return self.llm.detokenize([token], special=True).decode("utf-8", "replace") if token >= 0 else ""
+
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
+        """Tokens of ``text`` with a BOS in front (unless the text already starts with it).
+
+        ``special`` parses control-token text (``<s>``, ``<|im_start|>``, ...) as those tokens:
+        right for a rendered chat template, not for a raw completion prompt.
+        """
+        add_bos = not (special and self.bos_token and text.startswith(self.bos_token))
+        return self.llm.tokenize(text.encode(), add_bos=add_bos, special=special)
+
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+        try:
+            return self.template.render(
+                messages=list(messages), add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
+            )
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"chat template failed: {e}") from None
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
