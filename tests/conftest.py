@@ -16,7 +16,8 @@ from store.redis_server import RedisServer
 from store.s3 import S3Backend
 from store.settings import StoreSettings
 from store.store import Store
-from tests.services import S3_ACCESS_KEY, S3_SECRET_KEY, S3Server, WorkerProcess
+from tests.services import S3_ACCESS_KEY, S3_SECRET_KEY, S3Server
+from worker.spawn import WorkerProcess
 
 
 @pytest.fixture(scope="session")

@@ -1,15 +1,11 @@
-"""Real services for the tests: a local S3-compatible HTTP endpoint (moto's server mode) and worker processes."""
+"""Real services for the tests: a local S3-compatible HTTP endpoint (moto's server mode)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
-
-import redis
 
 from store.redis_server import free_port
 
@@ -55,46 +51,3 @@ class S3Server:
                 self.proc.wait()
         self.proc = None
 
-
-class WorkerProcess:
-    """A real ``kvpool worker`` process with its settings in KVPOOL_* variables."""
-
-    def __init__(self, name: str, env: dict[str, str], log_path: os.PathLike[str] | str) -> None:
-        self.name = name
-        self.env = {**os.environ, **env, "KVPOOL_WORKER_NAME": name}
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, conn: redis.Redis, timeout_s: float = 60.0) -> WorkerProcess:
-        from rq import Worker
-
-        log = open(self.log_path, "ab")
-        kvpool = os.path.join(os.path.dirname(sys.executable), "kvpool")
-        self.proc = subprocess.Popen([kvpool, "worker"], env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while not any(w.name == self.name for w in Worker.all(connection=conn)):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"worker {self.name} did not start; log: {self.log_path}\n{self.log()[-3000:]}")
-            time.sleep(0.1)
-        return self
-
-    def log(self) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
