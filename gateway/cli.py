@@ -13,6 +13,7 @@ _GROUPS = {
     "store": "store.cli:store_group",
     "model": "worker.cli:model_group",
     "worker": "worker.cli:worker_command",
+    "gateway": "gateway.cli:gateway_command",
 }
 
 
@@ -39,3 +40,25 @@ def main(ctx: click.Context, log_level: str, log_json: bool) -> None:
     """
     configure_logging(log_level, log_json)
     ctx.obj = StoreSettings()
+
+
+@click.command("gateway")
+@click.option("--host", default=None, help="Listen address (default: KVPOOL_HOST).")
+@click.option("--port", default=None, type=int, help="Listen port (default: KVPOOL_PORT).")
+def gateway_command(host: str | None, port: int | None) -> None:
+    """Serve the OpenAI-compatible API over the worker pool (settings from KVPOOL_* variables)."""
+    import uvicorn
+    from pydantic import ValidationError
+
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    try:
+        settings = GatewaySettings()
+    except ValidationError as e:
+        raise click.ClickException(f"bad settings: {e}") from None
+    try:
+        app = create_app(settings)
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    uvicorn.run(app, host=host or settings.host, port=port if port is not None else settings.port, log_config=None, access_log=False)

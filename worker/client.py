@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import redis
+import redis.asyncio
 from pydantic import TypeAdapter
 from rq import Queue, Retry
 from rq.job import Job
@@ -40,6 +41,14 @@ def submit(
     )
 
 
+def _final(event: Event) -> bool:
+    return isinstance(event, DoneEvent) or (isinstance(event, ErrorEvent) and not event.retrying)
+
+
+def parse_event(fields: dict[bytes, bytes]) -> Event:
+    return _EVENT.validate_python(json.loads(fields[b"e"]))
+
+
 def events(conn: redis.Redis, job_id: str, *, timeout_s: float = 600.0, block_ms: int = 1000) -> Iterator[Event]:
     """Yield the job's events from the start, until a final one (done, or an error not retried).
 
@@ -56,9 +65,26 @@ def events(conn: redis.Redis, job_id: str, *, timeout_s: float = 600.0, block_ms
         deadline = time.monotonic() + timeout_s
         for entry_id, fields in batch[0][1]:
             last = entry_id
-            event = _EVENT.validate_python(json.loads(fields[b"e"]))
+            event = parse_event(fields)
             yield event
-            if isinstance(event, DoneEvent) or (isinstance(event, ErrorEvent) and not event.retrying):
+            if _final(event):
+                return
+
+
+async def aevents(conn: redis.asyncio.Redis, job_id: str, *, block_ms: int = 1000) -> AsyncIterator[Event | None]:
+    """Like `events`, for asyncio: yields ``None`` each time ``block_ms`` passes without an event, so the caller
+    can check its deadline, its client and the worker's health; ends after a final event."""
+    key, last = stream_key(job_id), "0"
+    while True:
+        batch = await conn.xread({key: last}, count=256, block=block_ms)
+        if not batch:
+            yield None
+            continue
+        for entry_id, fields in batch[0][1]:
+            last = entry_id
+            event = parse_event(fields)
+            yield event
+            if _final(event):
                 return
 
 

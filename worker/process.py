@@ -68,6 +68,7 @@ class KvpoolWorker(SimpleWorker):
                     self.maintain_heartbeats(job, execution)
                 except redis.RedisError as e:
                     log.warning("heartbeat.failed", extra={"reason": str(e)})
+                self.advertise(busy=True)
 
         thread = threading.Thread(target=beat, name="kvpool-heartbeat", daemon=True)
         thread.start()

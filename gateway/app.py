@@ -1,0 +1,309 @@
+"""The OpenAI-compatible HTTP API. `create_app(settings)` builds it; ``kvpool gateway`` serves it with uvicorn.
+
+The gateway never evaluates a model: it tokenizes (a vocabulary-only load), hashes the
+chain, routes, enqueues, and relays the job's events as a response or a server-sent
+event stream. Every failure is answered in OpenAI's error shape (`gateway.errors`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import redis
+import redis.asyncio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway import metrics
+from gateway.dispatch import Dispatcher
+from gateway.errors import APIError, InvalidRequest, Overloaded, PayloadTooLarge, Timeout, WorkerFailed
+from gateway.prepare import Prepared, Preparer
+from gateway.responses import StreamChunks, chat_body, completion_body
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.settings import GatewaySettings
+from gateway.tenants import Tenant, Tenants
+from store.backend import open_backend
+from store.errors import StoreError
+from worker.advert import ADVERT_PREFIX, adverts
+from worker.client import aevents
+from worker.protocol import DoneEvent, ErrorEvent, JobResult, StartEvent, TokenEvent, cancel_key
+
+log = logging.getLogger("kvpool.gateway")
+
+WORKER_CHECK_S = 2.0
+
+
+class _BodyLimit:
+    """Answers 413 for bodies over the limit, whether or not they announce their length."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await _send_error(send, PayloadTooLarge(f"request body of {int(declared)} bytes exceeds the limit of {self.max_bytes}"))
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await _send_error(send, PayloadTooLarge(f"request body exceeds the limit of {self.max_bytes} bytes"))
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _send_error(send: Send, e: APIError) -> None:
+    body = json.dumps(e.body()).encode()
+    await send({"type": "http.response.start", "status": e.status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    err = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in err.get("loc", []) if p != "body"]
+    if err.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    where = ".".join(loc)
+    msg = err.get("msg", "invalid request")
+    return (f"{where}: {msg}" if where else msg), (loc[0] if loc else None)
+
+
+class Gateway:
+    """The state one gateway process holds: settings, tokenizer, tenants, Redis, dispatcher."""
+
+    def __init__(self, settings: GatewaySettings, model_path: Path) -> None:
+        self.settings = settings
+        self.preparer = Preparer(settings, model_path)
+        self.tenants = Tenants(settings.api_keys, settings.tenant_secret)
+        self.redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=settings.connect_timeout_s, socket_timeout=settings.read_timeout_s)
+        self.aredis = redis.asyncio.Redis.from_url(settings.redis_url, socket_connect_timeout=settings.connect_timeout_s)
+        self.dispatcher = Dispatcher(self.redis, settings)
+
+    async def answer(self, request: Request, prepared: Prepared, tenant: Tenant, *, stream: bool, include_usage: bool, want_logprobs: bool) -> Response:
+        endpoint = "chat" if prepared.chat else "completions"
+        t0 = time.perf_counter()
+        job_id, route = await run_in_threadpool(self.dispatcher.dispatch, prepared.spec)
+        metrics.TENANT_REQUESTS.labels(tenant.id).inc()
+        log.info("request.routed", extra={"job": job_id, "tenant": tenant.id, "queue": route.queue, "reason": route.reason, "prompt_tokens": len(prepared.spec.tokens)})
+        events = self._relay(request, job_id, t0, endpoint)
+        model = self.preparer.model_name
+        if stream:
+            chunks = StreamChunks(job_id, model, prepared.chat, want_logprobs)
+            return StreamingResponse(self._sse(events, chunks, include_usage, job_id), media_type="text/event-stream")
+        tokens: list[TokenEvent] = []
+        async for ev in events:
+            if isinstance(ev, TokenEvent):
+                tokens.append(ev)
+            elif isinstance(ev, JobResult):
+                build = chat_body if prepared.chat else completion_body
+                return JSONResponse(build(job_id, model, ev, tokens, want_logprobs))
+        raise WorkerFailed("the job ended without a result")
+
+    async def _relay(self, request: Request, job_id: str, t0: float, endpoint: str) -> AsyncIterator[TokenEvent | JobResult]:
+        """A job's token events (for the current attempt), then its `JobResult`; raises an `APIError` on failure.
+
+        Watches the deadline, the client (gone: cancel the job) and the worker running it
+        (gone with no other worker alive: fail instead of waiting forever).
+        """
+        deadline = t0 + self.settings.request_timeout_s
+        worker: str | None = None
+        emitted = 0
+        attempt_tokens = 0
+        next_check = time.monotonic() + WORKER_CHECK_S
+        first = True
+        finished = False
+        try:
+            async for ev in aevents(self.aredis, job_id):
+                now = time.perf_counter()
+                if now > deadline:
+                    metrics.CANCELLED.labels("timeout").inc()
+                    raise Timeout(f"no answer within {self.settings.request_timeout_s:.0f} s; the job was cancelled", code="timeout")
+                if ev is None or time.monotonic() > next_check:
+                    next_check = time.monotonic() + WORKER_CHECK_S
+                    if await request.is_disconnected():
+                        metrics.CANCELLED.labels("client_gone").inc()
+                        raise asyncio.CancelledError
+                    if worker is not None and not await self.aredis.exists(ADVERT_PREFIX + worker):
+                        if not await run_in_threadpool(adverts, self.redis):
+                            raise WorkerFailed(f"worker {worker} died while answering and no other worker is alive", code="worker_lost")
+                    if ev is None:
+                        continue
+                if isinstance(ev, StartEvent):
+                    worker = ev.worker
+                    attempt_tokens = 0
+                elif isinstance(ev, TokenEvent):
+                    attempt_tokens += 1
+                    if attempt_tokens <= emitted:
+                        continue  # a retried attempt replays tokens the client already has
+                    emitted += 1
+                    if first:
+                        first = False
+                        metrics.FIRST_TOKEN.labels(endpoint).observe(now - t0)
+                    yield ev
+                elif isinstance(ev, ErrorEvent):
+                    if not ev.retrying:
+                        raise WorkerFailed(f"the worker failed: {ev.error}", code="worker_error")
+                elif isinstance(ev, DoneEvent):
+                    r = ev.result
+                    metrics.PROMPT_TOKENS.inc(r.usage.prompt_tokens)
+                    metrics.CACHED_TOKENS.labels("context").inc(r.usage.cached_from_context)
+                    metrics.CACHED_TOKENS.labels("store").inc(r.usage.cached_from_store)
+                    metrics.COMPLETION_TOKENS.inc(r.usage.completion_tokens)
+                    metrics.LATENCY.labels(endpoint).observe(time.perf_counter() - t0)
+                    finished = True
+                    yield r
+                    return
+        finally:
+            if not finished:
+                await self.aredis.set(cancel_key(job_id), 1, ex=600)
+
+    async def _sse(self, events: AsyncIterator[TokenEvent | JobResult], chunks: StreamChunks, include_usage: bool, job_id: str) -> AsyncIterator[bytes]:
+        def data(obj: Any) -> bytes:
+            return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+        try:
+            if (head := chunks.first()) is not None:
+                yield data(head)
+            async for ev in events:
+                if isinstance(ev, TokenEvent):
+                    if (chunk := chunks.token(ev)) is not None:
+                        yield data(chunk)
+                else:
+                    yield data(chunks.last(ev))
+                    if include_usage:
+                        yield data(chunks.usage(ev))
+        except APIError as e:
+            log.warning("stream.failed", extra={"job": job_id, "status": e.status, "reason": e.message})
+            yield data(e.body())
+        yield b"data: [DONE]\n\n"
+
+    def ready(self) -> dict[str, Any]:
+        checks: dict[str, Any] = {}
+        try:
+            self.redis.ping()
+            checks["redis"] = "ok"
+        except redis.RedisError as e:
+            checks["redis"] = f"unreachable: {e}"
+        try:
+            open_backend(self.settings).exists("readyz")
+            checks["store"] = "ok"
+        except StoreError as e:
+            checks["store"] = str(e)
+        try:
+            n = len(adverts(self.redis))
+            checks["workers"] = n if n else "no live worker"
+        except redis.RedisError:
+            checks["workers"] = "unknown (redis unreachable)"
+        return checks
+
+
+def create_app(settings: GatewaySettings, model_path: Path | None = None) -> FastAPI:
+    """The ASGI app. ``model_path`` defaults to what the settings name (or the generated demo model)."""
+    from worker.process import resolve_model
+
+    gw = Gateway(settings, model_path or resolve_model(settings))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        log.info("gateway.ready", extra={"model": gw.preparer.model_name, "chunk_size": settings.chunk_size, "tenants": len(set(settings.api_keys.values())) or 1})
+        yield
+        await gw.aredis.aclose()
+
+    app = FastAPI(title="kvpool", version="0.1.0", lifespan=lifespan, description="OpenAI-compatible API over a kvpool worker pool.")
+    app.state.gateway = gw
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(e)
+        return _error_response(InvalidRequest(message, param=param))
+
+    @app.exception_handler(redis.RedisError)
+    async def _redis_down(request: Request, e: redis.RedisError) -> JSONResponse:
+        log.error("redis.unavailable", extra={"reason": str(e)})
+        return _error_response(Overloaded(f"the job queue (Redis) is unreachable: {type(e).__name__}", code="queue_unavailable", headers={"Retry-After": "5"}))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("request.failed")
+        return _error_response(APIError(f"internal error: {type(e).__name__}"))
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        response = await call_next(request)
+        metrics.REQUESTS.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    async def tenant_of(request: Request) -> Tenant:
+        return gw.tenants.resolve(request.headers.get("authorization"))
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        tenant = await tenant_of(request)
+        prepared = await run_in_threadpool(gw.preparer.completion, body, tenant)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await gw.answer(request, prepared, tenant, stream=body.stream, include_usage=include_usage, want_logprobs=body.logprobs is not None)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        tenant = await tenant_of(request)
+        prepared = await run_in_threadpool(gw.preparer.chat, body, tenant)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await gw.answer(request, prepared, tenant, stream=body.stream, include_usage=include_usage, want_logprobs=body.logprobs)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        await tenant_of(request)
+        return {"object": "list", "data": [{"id": gw.preparer.model_name, "object": "model", "created": 0, "owned_by": "kvpool"}]}
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        checks = await run_in_threadpool(gw.ready)
+        ok = checks["redis"] == "ok" and checks["store"] == "ok" and isinstance(checks["workers"], int)
+        return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)
+    return app
