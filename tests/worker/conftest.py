@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import llama_cpp
-import numpy as np
 import pytest
 import redis
 
@@ -82,28 +81,3 @@ class PoolClient:
 @pytest.fixture
 def client(redis_url: str, tiny_model: Path) -> PoolClient:
     return PoolClient(redis.Redis.from_url(redis_url), tiny_model)
-
-
-@pytest.fixture(scope="session")
-def cold_llm(tiny_model: Path) -> llama_cpp.Llama:
-    """The tiny model in this process, with the workers' KV layout, for cold reference runs."""
-    return llama_cpp.Llama(str(tiny_model), n_ctx=2048, n_threads=1, verbose=False, flash_attn=False)
-
-
-def cold_greedy(llm: llama_cpp.Llama, tokens: list[int], n: int) -> list[int]:
-    """Greedy continuation of ``tokens`` evaluated from scratch, stopping at end-of-generation like the worker."""
-    llm.reset()
-    out: list[int] = []
-    for tok in llm.generate(tokens, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, reset=True):
-        if llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok) or len(out) >= n:
-            break
-        out.append(tok)
-    llm.reset()
-    return out
-
-
-def prompt_text(seed: int, words: int) -> str:
-    rng = np.random.default_rng(seed)
-    vocab = "the a of and to in is was for on that with as by at from this be or an are it his her they we you".split()
-    vocab += "river mountain signal engine memory garden window silver letter market winter harbor lantern".split()
-    return " ".join(rng.choice(vocab, words))

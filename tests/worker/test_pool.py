@@ -12,9 +12,9 @@ from store.blob import BlobName
 from store.index import RedisIndex
 from store.s3 import S3Backend
 from store.settings import StoreSettings
-from tests.conftest import POOL_CHUNK, s3_settings
+from tests.conftest import POOL_CHUNK, cold_greedy, prompt_text, s3_settings
 from tests.services import S3Server
-from tests.worker.conftest import PoolClient, cold_greedy, prompt_text
+from tests.worker.conftest import PoolClient
 from worker.client import cancel
 from worker.namespace import namespace_for
 

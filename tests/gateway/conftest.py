@@ -1,0 +1,31 @@
+"""Fixtures for the gateway: a real ``kvpool gateway`` process in front of real workers, and the official openai client."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.services import GatewayProcess
+
+MODEL = "kvpool-tiny-s0"
+
+
+@pytest.fixture
+def start_gateway(pool_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[..., GatewayProcess]]:
+    started: list[GatewayProcess] = []
+
+    def start(**env: str) -> GatewayProcess:
+        g = GatewayProcess({**pool_env, **env}, tmp_path / f"gateway{len(started)}.log").start()
+        started.append(g)
+        return g
+
+    yield start
+    for g in started:
+        g.stop()
+
+
+def openai_client(gateway: GatewayProcess, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
