@@ -11,11 +11,12 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import redis
 import redis.asyncio
 from fastapi import FastAPI, Request
@@ -187,9 +188,10 @@ class Gateway:
                     return
         finally:
             if not finished:
-                await self.aredis.set(cancel_key(job_id), 1, ex=600)
+                with anyio.CancelScope(shield=True):
+                    await self.aredis.set(cancel_key(job_id), 1, ex=600)
 
-    async def _sse(self, events: AsyncIterator[TokenEvent | JobResult], chunks: StreamChunks, include_usage: bool, job_id: str) -> AsyncIterator[bytes]:
+    async def _sse(self, events: AsyncGenerator[TokenEvent | JobResult, None], chunks: StreamChunks, include_usage: bool, job_id: str) -> AsyncIterator[bytes]:
         def data(obj: Any) -> bytes:
             return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
@@ -207,6 +209,9 @@ class Gateway:
         except APIError as e:
             log.warning("stream.failed", extra={"job": job_id, "status": e.status, "reason": e.message})
             yield data(e.body())
+        finally:
+            with anyio.CancelScope(shield=True):
+                await events.aclose()
         yield b"data: [DONE]\n\n"
 
     def ready(self) -> dict[str, Any]:

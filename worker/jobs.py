@@ -88,6 +88,7 @@ def run_job(spec: dict) -> dict:
         "job.done",
         extra={
             "job": job.id,
+            "finish_reason": result.finish_reason,
             "prompt_tokens": result.usage.prompt_tokens,
             "cached_context": result.usage.cached_from_context,
             "cached_store": result.usage.cached_from_store,

@@ -1,0 +1,413 @@
+"""Readers for the files under deploy/, shared by the deploy tests and the .env.example generator.
+
+Nothing here runs Docker: the files are parsed and checked statically, against the code
+(settings classes, metric registry, CLI) and against the tools' own validators
+(the Compose Specification schema, promtool).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+ENV_EXAMPLE = DEPLOY / ".env.example"
+DOCKERFILE = DEPLOY / "Dockerfile"
+DOCKERIGNORE = REPO / ".dockerignore"
+PROMETHEUS_FILE = DEPLOY / "prometheus.yml"
+GRAFANA = DEPLOY / "grafana"
+DASHBOARDS = GRAFANA / "dashboards"
+
+ENV_PREFIX = "KVPOOL_"
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class Setting:
+    env: str  # KVPOOL_...
+    description: str
+    default: Any  # the Python default; None when unset
+    section: str  # the class that declares it, or "command" for the CLI's own variables
+
+
+@cache
+def settings() -> dict[str, Setting]:
+    """Every kvpool environment variable: the settings fields and the ``kvpool`` command's own options."""
+    from pydantic_core import PydanticUndefined
+
+    from gateway.cli import main
+    from gateway.settings import GatewaySettings
+    from store.settings import StoreSettings
+    from worker.settings import WorkerSettings
+
+    out: dict[str, Setting] = {}
+    seen: set[str] = set()
+    for cls in (StoreSettings, WorkerSettings, GatewaySettings):
+        prefix = cls.model_config.get("env_prefix", "")
+        assert prefix == ENV_PREFIX, f"{cls.__name__} reads {prefix!r}, not {ENV_PREFIX!r}"
+        for name, field in cls.model_fields.items():
+            if name in seen:
+                continue
+            seen.add(name)
+            default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
+            if default is PydanticUndefined:
+                default = None
+            out[f"{prefix}{name.upper()}"] = Setting(f"{prefix}{name.upper()}", field.description or "", default, cls.__name__)
+    for param in main.params:
+        envvars = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or [])
+        for env in envvars:
+            if env.startswith(ENV_PREFIX):
+                default = param.default
+                if getattr(param, "is_flag", False) and not isinstance(default, bool):
+                    default = False
+                out[env] = Setting(env, getattr(param, "help", "") or "", default, "command")
+    return out
+
+
+def render_env_value(value: Any) -> str:
+    """A default as it would be written in an env file; '' for unset."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, separators=(",", ":"))
+    return str(value)
+
+
+# --------------------------------------------------------------------------- compose
+
+# ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?err}, ${VAR?err}, ${VAR:+alt}, ${VAR+alt}, $VAR; $$ is a literal $.
+_INTERPOLATION = re.compile(
+    r"\$(?:(?P<escaped>\$)|\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}|(?P<named>[A-Za-z_][A-Za-z0-9_]*))"
+)
+
+
+@dataclass(frozen=True)
+class Reference:
+    name: str
+    op: str | None  # ":-", "-", ":?", ... or None for ${VAR} / $VAR
+    arg: str | None
+
+
+def compose_text() -> str:
+    return COMPOSE_FILE.read_text()
+
+
+def compose_raw() -> dict[str, Any]:
+    return yaml.safe_load(compose_text())
+
+
+def references(obj: Any) -> list[Reference]:
+    """The variables interpolated in the string values of a parsed compose file (``$$`` escapes excluded)."""
+    if isinstance(obj, dict):
+        return [r for v in obj.values() for r in references(v)]
+    if isinstance(obj, list):
+        return [r for v in obj for r in references(v)]
+    if not isinstance(obj, str):
+        return []
+    out = []
+    for m in _INTERPOLATION.finditer(obj):
+        if m.group("escaped"):
+            continue
+        name = m.group("braced") or m.group("named")
+        out.append(Reference(name, m.group("op"), m.group("arg")))
+    return out
+
+
+def interpolate_str(value: str, env: dict[str, str]) -> str:
+    def sub(m: re.Match[str]) -> str:
+        if m.group("escaped"):
+            return "$"
+        name = m.group("braced") or m.group("named")
+        op, arg = m.group("op"), m.group("arg") or ""
+        present, val = name in env, env.get(name, "")
+        if op == ":-":
+            return val if val else arg
+        if op == "-":
+            return val if present else arg
+        if op in (":?", "?"):
+            if (op == ":?" and not val) or (op == "?" and not present):
+                raise KeyError(f"required variable {name} is missing: {arg}")
+            return val
+        if op == ":+":
+            return arg if val else ""
+        if op == "+":
+            return arg if present else ""
+        return val
+
+    return _INTERPOLATION.sub(sub, value)
+
+
+def interpolate(obj: Any, env: dict[str, str]) -> Any:
+    """Compose's interpolation of every string value (keys are left as they are, as Compose does)."""
+    if isinstance(obj, str):
+        return interpolate_str(obj, env)
+    if isinstance(obj, dict):
+        return {k: interpolate(v, env) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [interpolate(v, env) for v in obj]
+    return obj
+
+
+def compose(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The compose file as Compose sees it after interpolation with ``env`` (default: nothing set)."""
+    return interpolate(compose_raw(), env or {})
+
+
+def environment(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {k: "" if v is None else str(v) for k, v in env.items()}
+
+
+def compose_defaults() -> dict[str, str]:
+    """``${VAR:-default}`` / ``${VAR-default}`` defaults in the compose file; a variable must have one default only."""
+    out: dict[str, str] = {}
+    for ref in references(compose_raw()):
+        if ref.op in (":-", "-"):
+            assert out.get(ref.name, ref.arg) == ref.arg, f"{ref.name} has two defaults: {out[ref.name]!r} and {ref.arg!r}"
+            out[ref.name] = ref.arg or ""
+    return out
+
+
+def parse_port(spec: str | int | dict[str, Any]) -> tuple[str | None, str | None, str]:
+    """(host ip, host port, container port) of a short or long port syntax entry."""
+    if isinstance(spec, dict):
+        return spec.get("host_ip"), str(spec["published"]) if "published" in spec else None, str(spec["target"])
+    spec = str(spec).split("/", 1)[0]
+    parts = spec.rsplit(":", 2)
+    if len(parts) == 3:
+        return parts[0], parts[1], parts[2]
+    if len(parts) == 2:
+        return None, parts[0], parts[1]
+    return None, None, parts[0]
+
+
+def parse_volume(spec: str | dict[str, Any]) -> tuple[str, str, bool]:
+    """(source, target, read_only) of a short or long volume syntax entry."""
+    if isinstance(spec, dict):
+        return spec.get("source", ""), spec["target"], bool(spec.get("read_only"))
+    parts = spec.split(":")
+    read_only = len(parts) == 3 and "ro" in parts[2].split(",")
+    return parts[0], parts[1], read_only
+
+
+def depends_on(service: dict[str, Any]) -> dict[str, str]:
+    """Dependency -> condition (service_started for the short syntax)."""
+    deps = service.get("depends_on") or {}
+    if isinstance(deps, list):
+        return {d: "service_started" for d in deps}
+    return {d: (spec or {}).get("condition", "service_started") for d, spec in deps.items()}
+
+
+# --------------------------------------------------------------------------- env files
+
+
+@dataclass
+class EnvEntry:
+    name: str
+    value: str
+    active: bool  # False: a commented-out "# NAME=value" line
+    comments: list[str]  # the comment lines just above it, without "# "
+
+
+_ASSIGNMENT = re.compile(r"^(?P<comment>#\s*)?(?P<name>[A-Z][A-Z0-9_]*)=(?P<value>.*)$")
+
+
+def parse_env_example(text: str) -> list[EnvEntry]:
+    """Assignments, active or commented out, each with the comment block above it."""
+    entries: list[EnvEntry] = []
+    comments: list[str] = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        m = _ASSIGNMENT.match(stripped)
+        if m:
+            value = m.group("value")
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            entries.append(EnvEntry(m.group("name"), value, not m.group("comment"), comments))
+            comments = []
+        elif stripped.startswith("#"):
+            comments.append(stripped[1:].strip())
+        else:
+            comments = []
+    return entries
+
+
+# --------------------------------------------------------------------------- Dockerfile
+
+
+@dataclass(frozen=True)
+class Instruction:
+    line: int
+    cmd: str  # upper case
+    args: str
+    stage: int  # index of the FROM this belongs to
+
+
+def parse_dockerfile(text: str) -> list[Instruction]:
+    """Instructions with continuation lines joined and comments dropped (no heredocs)."""
+    out: list[Instruction] = []
+    stage = -1
+    buf: list[str] = []
+    start = 0
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not buf and (not line or line.startswith("#")):
+            continue
+        if buf and line.startswith("#"):
+            continue  # a comment inside a continued instruction
+        if not buf:
+            start = n
+        if line.endswith("\\"):
+            buf.append(line[:-1].strip())
+            continue
+        buf.append(line)
+        joined = " ".join(p for p in buf if p)
+        buf = []
+        cmd, _, args = joined.partition(" ")
+        cmd = cmd.upper()
+        if cmd == "FROM":
+            stage += 1
+        out.append(Instruction(start, cmd, args.strip(), stage))
+    assert not buf, "the Dockerfile ends inside a continued line"
+    return out
+
+
+def exec_form(args: str) -> list[str] | None:
+    """The JSON array of an exec-form ENTRYPOINT/CMD/RUN, or None for the shell form."""
+    try:
+        value = json.loads(args)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, list) and all(isinstance(v, str) for v in value) else None
+
+
+def copy_sources(ins: Instruction) -> tuple[list[str], dict[str, str]]:
+    """Sources and --flags of a COPY/ADD (the last word is the destination)."""
+    words = ins.args.split()
+    flags = {}
+    while words and words[0].startswith("--"):
+        key, _, val = words.pop(0)[2:].partition("=")
+        flags[key] = val
+    form = exec_form(" ".join(words))
+    if form is not None:
+        words = form
+    return words[:-1], flags
+
+
+def dockerignore_patterns() -> list[str]:
+    lines = DOCKERIGNORE.read_text().splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+
+
+def dockerignored(path: str, patterns: list[str]) -> bool:
+    """Whether .dockerignore excludes ``path`` (relative to the context), by Docker's rules as far as kvpool uses them."""
+    parts = Path(path.strip("/")).parts
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pat = pattern[1:] if negate else pattern
+        pat = pat.strip("/")
+        hit = False
+        for i in range(1, len(parts) + 1):  # a pattern matching a parent folder excludes what it holds
+            prefix = "/".join(parts[:i])
+            if fnmatch.fnmatchcase(prefix, pat) or (pat.startswith("**/") and any(
+                fnmatch.fnmatchcase("/".join(parts[j:i]), pat[3:]) for j in range(i)
+            )):
+                hit = True
+                break
+        if hit:
+            ignored = not negate
+    return ignored
+
+
+# --------------------------------------------------------------------------- metrics and PromQL
+
+
+@cache
+def metric_samples() -> dict[str, str]:
+    """Sample name -> metric family, for every kvpool metric in the prometheus_client registry."""
+    import gateway.metrics  # noqa: F401  (importing registers the collectors)
+    import store.metrics  # noqa: F401
+    import worker.metrics  # noqa: F401
+    from prometheus_client import REGISTRY
+
+    suffixes = {
+        "counter": ["_total", "_created"],
+        "gauge": [""],
+        "histogram": ["_bucket", "_count", "_sum", "_created"],
+        "gaugehistogram": ["_bucket", "_gcount", "_gsum"],
+        "summary": ["", "_count", "_sum", "_created"],
+        "info": ["_info"],
+        "stateset": [""],
+        "enum": [""],
+        "unknown": [""],
+    }
+    out: dict[str, str] = {}
+    for family in REGISTRY.collect():
+        if family.name.startswith("kvpool_"):
+            for suffix in suffixes[family.type]:
+                out[family.name + suffix] = family.name
+    return out
+
+
+# Words of PromQL that are not metric names (functions are recognised by the "(" after them).
+PROMQL_KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring",
+                   "group_left", "group_right", "inf", "nan", "start", "end", "atan2"}
+
+_PROMQL_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
+_PROMQL_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+_PROMQL_WORD = re.compile(r"(?<![A-Za-z0-9_:.$])([A-Za-z_:][A-Za-z0-9_:]*)(\s*\()?")
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """Metric names an expression selects (label names, functions, keywords, strings, ranges excluded)."""
+    s = _PROMQL_STRING.sub('""', expr)
+    s = re.sub(r"\{[^}]*\}", " ", s)
+    s = re.sub(r"\[[^\]]*\]", " ", s)
+    s = _PROMQL_GROUPING.sub(" ", s)
+    names = set()
+    for m in _PROMQL_WORD.finditer(s):
+        word, call = m.group(1), m.group(2)
+        if call or word.lower() in PROMQL_KEYWORDS:
+            continue
+        names.add(word)
+    return names
+
+
+def promql_label_values(expr: str, label: str) -> set[str]:
+    return set(re.findall(rf'\b{re.escape(label)}\s*=~?\s*"([^"]*)"', expr))
+
+
+def dashboards() -> dict[Path, dict[str, Any]]:
+    return {p: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
+
+
+def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every panel, those inside collapsed rows included."""
+    out = []
+    for p in dashboard.get("panels", []):
+        out.append(p)
+        out.extend(p.get("panels", []))
+    return out
+
+
+def grafana_variables_to_promql(expr: str) -> str:
+    """Replace Grafana's built-in interval variables so that promtool can parse the expression."""
+    for var in ("$__rate_interval", "$__interval", "$__range"):
+        expr = expr.replace("${" + var[1:] + "}", "5m").replace(var, "5m")
+    return expr

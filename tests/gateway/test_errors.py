@@ -1,0 +1,197 @@
+"""Bad input and bad days: every failure is a clear OpenAI-style error, nothing hangs, no worker crashes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import redis
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rq.job import Job
+
+from tests.conftest import prompt_text
+from tests.gateway.conftest import MODEL, openai_client
+
+LONG = {"logit_bias": {"2": -100}, "max_tokens": 1900, "temperature": 0}
+
+
+def assert_openai_error(r: httpx.Response, status: int, *needles: str) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"]
+    for n in needles:
+        assert n in err["message"], err["message"]
+    return err
+
+
+@pytest.fixture
+def one_worker(start_worker, start_gateway):
+    w = start_worker("w1")
+    return w, start_gateway()
+
+
+BAD = [
+    ("not json", b"{not json", 400, ["not valid JSON"]),
+    ("prompt is a number", {"model": MODEL, "prompt": 5}, 400, ["prompt"]),
+    ("max_tokens is text", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, ["max_tokens"]),
+    ("negative max_tokens", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, ["max_tokens"]),
+    ("n=2", {"model": MODEL, "prompt": "hi", "n": 2}, 400, ["n=1"]),
+    ("no model", {"prompt": "hi"}, 400, ["model"]),
+    ("unknown model", {"model": "gpt-9", "prompt": "hi"}, 404, ["gpt-9"]),
+    ("empty prompt", {"model": MODEL, "prompt": ""}, 400, ["empty"]),
+    ("two prompts", {"model": MODEL, "prompt": ["a", "b"]}, 400, ["one prompt"]),
+    ("five stops", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, ["stop"]),
+    ("token id out of range", {"model": MODEL, "prompt": [1, 999999]}, 400, ["999999"]),
+    ("bad logit_bias", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, ["logit_bias"]),
+    ("temperature 7", {"model": MODEL, "prompt": "hi", "temperature": 7}, 400, ["temperature"]),
+    ("prompt plus max_tokens over the context", {"model": MODEL, "prompt": "hi there", "max_tokens": 5000}, 400, ["2048", "5000"]),
+    ("body is a list", [1, 2], 400, []),
+]
+
+
+@pytest.mark.parametrize("body,status,needles", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_completion_requests(one_worker, body, status: int, needles: list[str]) -> None:
+    _, gw = one_worker
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(gw.url + "/v1/completions", content=content, headers={"content-type": "application/json"})
+    err = assert_openai_error(r, status, *needles)
+    if "context" in err["message"]:
+        assert err["code"] == "context_length_exceeded"
+
+
+def test_bad_chat_requests(one_worker) -> None:
+    _, gw = one_worker
+    url = gw.url + "/v1/chat/completions"
+    assert_openai_error(httpx.post(url, json={"model": MODEL, "messages": []}), 400, "messages")
+    assert_openai_error(httpx.post(url, json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}), 400, "role")
+    assert_openai_error(httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": 3}]}), 400)
+    assert_openai_error(httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}), 400, "tools")
+    long = {"model": MODEL, "messages": [{"role": "user", "content": prompt_text(1, 3000)}]}
+    assert_openai_error(httpx.post(url, json=long), 400, "2048")
+
+
+def test_oversized_body_is_413(start_worker, start_gateway) -> None:
+    start_worker("w1")
+    gw = start_gateway(KVPOOL_MAX_BODY_BYTES="4096")
+    r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 10_000})
+    assert_openai_error(r, 413, "4096")
+
+
+def test_the_worker_survives_bad_input(one_worker) -> None:
+    w, gw = one_worker
+    for body in [b[1] for b in BAD]:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        httpx.post(gw.url + "/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert w.proc.poll() is None
+    ok = openai_client(gw).completions.create(model=MODEL, prompt="still here", max_tokens=3)
+    assert ok.usage.completion_tokens <= 3
+
+
+def test_no_live_worker_is_503_saying_so(start_gateway) -> None:
+    gw = start_gateway()
+    r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert_openai_error(r, 503, "no live worker")
+    assert r.headers["retry-after"]
+    ready = httpx.get(gw.url + "/readyz")
+    assert ready.status_code == 503 and ready.json()["checks"]["workers"] == "no live worker"
+
+
+def test_backpressure_answers_503_with_retry_after(start_worker, start_gateway) -> None:
+    start_worker("w1")
+    gw = start_gateway(KVPOOL_MAX_WAITING_JOBS="1")
+    body = {"model": MODEL, "prompt": prompt_text(2, 20), **LONG}
+    statuses: list[int] = []
+
+    def send() -> None:
+        statuses.append(httpx.post(gw.url + "/v1/completions", json=body, timeout=120).status_code)
+
+    threads = [threading.Thread(target=send) for _ in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.3)
+    for t in threads:
+        t.join()
+    assert 503 in statuses and 200 in statuses
+    r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "now", "max_tokens": 2})
+    assert r.status_code == 200
+
+
+def test_request_timeout_is_504_and_cancels_the_job(start_worker, start_gateway, redis_url) -> None:
+    w = start_worker("w1", KVPOOL_N_CTX="8192")
+    gw = start_gateway(KVPOOL_REQUEST_TIMEOUT_S="1", KVPOOL_N_CTX="8192")
+    r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "go", **LONG, "max_tokens": 8000}, timeout=60)
+    assert_openai_error(r, 504, "1 s")
+    deadline = time.monotonic() + 20
+    while "finish_reason=cancelled" not in w.log():
+        assert time.monotonic() < deadline, "the worker did not stop the timed-out job"
+        time.sleep(0.2)
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_job(one_worker, redis_url) -> None:
+    _, gw = one_worker
+    conn = redis.Redis.from_url(redis_url)
+    with httpx.stream("POST", gw.url + "/v1/completions", json={"model": MODEL, "prompt": "go", **LONG, "stream": True}, timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        job_id = json.loads(first[6:])["id"].removeprefix("cmpl-")
+    deadline = time.monotonic() + 20
+    while True:
+        job = Job.fetch(job_id, connection=conn)
+        if job.is_finished:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    result = job.return_value()
+    assert result["finish_reason"] == "cancelled"
+    assert result["usage"]["completion_tokens"] < 1900
+
+
+def test_killing_the_only_worker_mid_stream_ends_the_stream_with_an_error(start_worker, start_gateway) -> None:
+    w = start_worker("w1", KVPOOL_N_CTX="8192")
+    gw = start_gateway(KVPOOL_N_CTX="8192")
+    client = openai_client(gw)
+    t0 = time.monotonic()
+    stream = client.completions.create(model=MODEL, prompt="go", stream=True, temperature=0, max_tokens=8000, logit_bias={"2": -100})
+    got = 0
+    with pytest.raises(openai.APIError) as err:
+        for chunk in stream:
+            got += 1
+            if got == 5:
+                w.kill()
+    assert "died" in str(err.value) or "worker" in str(err.value)
+    assert time.monotonic() - t0 < 60
+    start_worker("w2", KVPOOL_N_CTX="8192")
+    again = client.completions.create(model=MODEL, prompt="again", max_tokens=4, temperature=0)
+    assert again.model_extra["kvpool"]["worker"] == "w2"
+
+
+def test_fuzzed_requests_never_get_a_server_error(one_worker) -> None:
+    """Property-based: requests generated from the app's own OpenAPI schema (schemathesis), valid and not."""
+    _, gw = one_worker
+    schema = schemathesis.openapi.from_url(gw.url + "/openapi.json")
+    operations = [r.ok() for r in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models"}
+    seen: dict[int, int] = {}
+    for op in operations:
+
+        @given(case=op.as_strategy(), served_model=st.booleans())
+        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def check(case, served_model: bool) -> None:
+            if served_model and isinstance(case.body, dict):
+                case.body["model"] = MODEL  # reach past the model check into the job path
+            response = case.call(base_url=gw.url, timeout=60)
+            seen[response.status_code] = seen.get(response.status_code, 0) + 1
+            assert response.status_code < 500 or response.status_code == 503, response.text
+            if response.status_code >= 400:
+                body = response.json()
+                assert set(body.get("error", {})) >= {"message", "type", "param", "code"}, body
+
+        check()
+    assert sum(seen.values()) >= 60, seen
+    assert 200 in seen and 400 in seen and 404 in seen, seen
