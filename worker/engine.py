@@ -197,6 +197,8 @@ class Engine:
         t_end = time.perf_counter()
         self.context_tenant = spec.tenant_salt
         self._publish(ns, (tokens + generated)[: self.llm.n_tokens])
+        if spec.wait_for_publish and self.publisher is not None:
+            self.publisher.wait_idle()
 
         metrics.GENERATED_TOKENS.labels(**self.labels).inc(len(generated))
         metrics.FIRST_TOKEN_SECONDS.labels(**self.labels).observe(t_first - t_start)

@@ -64,6 +64,9 @@ class JobSpec(BaseModel):
     tenant_salt: str = ""
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     enqueued_at: float = Field(description="Unix time the gateway enqueued the job (for queue wait).")
+    wait_for_publish: bool = Field(
+        False, description="Return only once the new chunks are in the store (batch leaders whose siblings wait on them)."
+    )
 
 
 class Usage(BaseModel):

@@ -1,0 +1,131 @@
+"""``kvpool bench``: the command (attached to the top-level CLI as ``_GROUPS["bench"]``)."""
+
+from __future__ import annotations
+
+import shlex
+import signal
+from dataclasses import replace
+from pathlib import Path
+from types import FrameType
+
+import click
+
+from worker.bench.workloads import WORKLOAD_KEYS
+
+DEFAULT_MODEL_DIR = Path(".kvpool/models")
+
+
+def _command_line(ctx: click.Context) -> str:
+    """The ``kvpool bench`` invocation that reproduces this run (options that differ from their defaults)."""
+    args = ["kvpool", "bench"]
+    for p in ctx.command.params:
+        value = ctx.params.get(p.name or "")
+        if value == p.default or value in (None, (), False):
+            continue
+        flag = p.opts[0]
+        values = value if isinstance(value, tuple) else (value,)
+        for v in values:
+            args += [flag] if v is True else [flag, str(v)]
+    return shlex.join(args)
+
+
+def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+@click.command("bench")
+@click.option("--quick", is_flag=True, help="Tiny model, small workloads, chunk size 32: a smoke run of well under a minute.")
+@click.option("--size", "sizes", type=click.Choice(["bench", "tiny"]), multiple=True,
+              help="Generated model(s) to run (repeatable)  [default: bench, then tiny]")
+@click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Your own GGUF model instead of the generated ones (full workload sizes, cold capped at 3 requests).")
+@click.option("--models-dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_MODEL_DIR, show_default=True,
+              help="Where generated models are cached.")
+@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-results"), show_default=True,
+              help="Folder for report.md, results.json and the plots.")
+@click.option("--store", type=click.Choice(["s3", "fs"]), default="s3", show_default=True,
+              help="Blob store: an S3 endpoint (moto started here unless --s3-endpoint-url) or a local folder.")
+@click.option("--s3-endpoint-url", help="Use this S3 endpoint (credentials from KVPOOL_S3_ACCESS_KEY_ID/SECRET) instead of starting one.")
+@click.option("--workloads", default=",".join(WORKLOAD_KEYS), show_default=True, help="Comma-separated subset of the workloads.")
+@click.option("--repeats", type=click.IntRange(min=1), help="Measured questions of the shared-prefix workload (overrides the profile).")
+@click.option("--cold-repeats", type=click.IntRange(min=1), help="Most measured requests per workload the cold system answers.")
+@click.option("--threads", type=click.IntRange(min=1), help="Threads per system (the 2-worker run uses 1 each)  [default: 2]")
+@click.option("--max-tokens", type=click.IntRange(min=1), help="Tokens generated per request.")
+@click.option("--chunk-size", type=click.IntRange(min=1), help="Tokens per stored chunk  [default: 256; 32 with --quick]")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the workloads' prompts.")
+@click.pass_context
+def bench_command(
+    ctx: click.Context,
+    quick: bool,
+    sizes: tuple[str, ...],
+    model_path: Path | None,
+    models_dir: Path,
+    out: Path,
+    store: str,
+    s3_endpoint_url: str | None,
+    workloads: str,
+    repeats: int | None,
+    cold_repeats: int | None,
+    threads: int | None,
+    max_tokens: int | None,
+    chunk_size: int | None,
+    seed: int,
+) -> None:
+    """Benchmark kvpool against llama-cpp-python (no cache, LlamaRAMCache, LlamaDiskCache) on four workloads.
+
+    Starts its own redis-server, S3 endpoint and kvpool workers, prints the expected
+    duration and a line per step, then a table; writes report.md, results.json and
+    plots to --out. The default run (bench and tiny models) takes about 30 minutes on
+    2 cores; --quick under a minute.
+    """
+    from worker.bench.report import analyze, print_table, write_outputs
+    from worker.bench.runner import PROFILES, ModelRun, run_bench
+    from worker.genmodel import ensure_model
+
+    keys = tuple(k.strip() for k in workloads.split(",") if k.strip())
+    unknown = [k for k in keys if k not in WORKLOAD_KEYS]
+    if unknown or not keys:
+        raise click.BadParameter(f"choose from {', '.join(WORKLOAD_KEYS)}", param_hint="--workloads")
+
+    def tuned(name: str) -> object:
+        prof = PROFILES[name]
+        sz = replace(prof.sizes, shared_questions=repeats) if repeats else prof.sizes
+        return replace(
+            prof,
+            sizes=sz,
+            workloads=keys,
+            cold_repeats=cold_repeats if cold_repeats else prof.cold_repeats,
+            threads=threads or prof.threads,
+            max_tokens=max_tokens or prof.max_tokens,
+            chunk_size=chunk_size or prof.chunk_size,
+        )
+
+    if model_path is not None:
+        runs = [ModelRun(model_path.stem, model_path, tuned("custom"))]  # type: ignore[arg-type]
+    else:
+        chosen = ("tiny",) if quick else (sizes or ("bench", "tiny"))
+        runs = []
+        for size in chosen:
+            path = models_dir / f"kvpool-{size}-s0.gguf"
+            if not path.exists():
+                click.echo(f"generating the {size} model into {models_dir} (once) ...")
+            runs.append(ModelRun(size, ensure_model(size, models_dir), tuned("quick" if quick else size)))  # type: ignore[arg-type]
+
+    try:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread: leave signals alone
+        previous = None
+    try:
+        doc = run_bench(runs, out=out, store=store, s3_endpoint_url=s3_endpoint_url, seed=seed,
+                        command=_command_line(ctx), echo=lambda s: click.echo(s))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    analyze(doc)
+    print_table(doc)
+    for path in write_outputs(doc, out):
+        click.echo(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    bench_command()

@@ -1,0 +1,444 @@
+"""Figures from the samples, the targets, and the outputs: terminal table, JSON, Markdown report, PNG plots.
+
+`analyze` adds to each run of the results document what the report shows (per
+workload and system: time to first token p50/p95, total time, tokens evaluated and
+reused, speed-up against cold; throughput; the physical floor; bytes per token; the
+cost of a miss; the targets), so the JSON holds the figures as well as every sample.
+
+Speed-ups against cold compare medians over the requests both systems answered (the
+cold system may answer only a spread subset of a workload on a slow model).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from worker.bench.measure import median, pct
+from worker.bench.runner import SYSTEM_TITLES, SYSTEMS
+
+WORKLOAD_TITLES = {"shared": "W1 shared prefix", "chat": "W2 chat", "docs": "W3 documents", "unique": "W4 no sharing"}
+Run = dict[str, Any]
+
+
+def _by(samples: list[dict[str, Any]], workload: str, system: str) -> list[dict[str, Any]]:
+    return [s for s in samples if s["workload"] == workload and s["system"] == system]
+
+
+def _paired_ratio(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[float | None, float | None, int]:
+    """(median TTFT of ``a``, of ``b``) over the requests both answered, and how many those are."""
+    common = {s["request"] for s in a} & {s["request"] for s in b}
+    ta = [s["ttft_s"] for s in a if s["request"] in common]
+    tb = [s["ttft_s"] for s in b if s["request"] in common]
+    return median(ta), median(tb), len(common)
+
+
+def summarize(run: Run) -> list[dict[str, Any]]:
+    rows = []
+    samples = run["samples"]
+    for wl in run["workloads"]:
+        key = wl["key"]
+        cold = _by(samples, key, "cold")
+        for system in SYSTEMS:
+            ss = _by(samples, key, system)
+            if not ss:
+                continue
+            ttft = [s["ttft_s"] for s in ss]
+            cold_p50, sys_p50, n_common = _paired_ratio(cold, ss)
+            row = {
+                "workload": key,
+                "system": system,
+                "n": len(ss),
+                "ttft_p50_s": pct(ttft, 50),
+                "ttft_p95_s": pct(ttft, 95),
+                "total_s": sum(s["total_s"] for s in ss),
+                "total_p50_s": pct([s["total_s"] for s in ss], 50),
+                "prompt_tokens": sum(s["prompt_tokens"] for s in ss),
+                "evaluated_tokens": sum(s["evaluated_tokens"] for s in ss),
+                "reused_tokens": sum(s["reused_tokens"] for s in ss),
+                "speedup_vs_cold": cold_p50 / sys_p50 if cold_p50 and sys_p50 else None,
+                "speedup_pairs": n_common,
+            }
+            if system == "kvpool-cross":
+                row["from_context_zero"] = sum(1 for s in ss if s["cached_from_context"] == 0)
+                row["restored_from_store"] = sum(1 for s in ss if s["cached_from_store"] > 0)
+            rows.append(row)
+    return rows
+
+
+def _floor(run: Run) -> dict[str, Any] | None:
+    """kvpool's cross-worker time to first token on W1 against bytes / raw bandwidth + suffix-only evaluation."""
+    raw = run.get("raw_get") or {}
+    bws = raw.get("bytes_per_s") or []
+    if not bws:
+        return None
+    bw = statistics.median(bws)
+    samples = run["samples"]
+    cross = {s["request"]: s for s in _by(samples, "shared", "kvpool-cross")}
+    suffix = {s["request"]: s for s in _by(samples, "shared", "suffix-only")}
+    per = []
+    for i, sfx in suffix.items():
+        if i not in cross:
+            continue
+        moved = sfx["reused_tokens"] // run["profile"]["chunk_size"] * raw["object_bytes"]
+        floor = moved / bw + sfx["ttft_s"]
+        per.append({"request": i, "bytes": moved, "transfer_s": moved / bw, "suffix_s": sfx["ttft_s"], "floor_s": floor,
+                    "kvpool_ttft_s": cross[i]["ttft_s"], "ratio": cross[i]["ttft_s"] / floor})
+    if not per:
+        return None
+    return {
+        "raw_get_bytes_per_s": bw,
+        "raw_get_samples": len(bws),
+        "kv_bytes": per[0]["bytes"],
+        "transfer_s": median([p["transfer_s"] for p in per]),
+        "suffix_eval_s": median([p["suffix_s"] for p in per]),
+        "floor_s": median([p["floor_s"] for p in per]),
+        "kvpool_cross_ttft_s": median([p["kvpool_ttft_s"] for p in per]),
+        "ratio": median([p["ratio"] for p in per]),
+        "per_request": per,
+    }
+
+
+def _miss_cost(run: Run) -> dict[str, Any] | None:
+    samples = run["samples"]
+    on = {s["request"]: s for s in _by(samples, "unique", "kvpool")}
+    off = {s["request"]: s for s in _by(samples, "unique", "kvpool-nostore")}
+    pairs = [(on[i], off[i]) for i in on if i in off]
+    if not pairs:
+        return None
+    return {
+        "requests": len(pairs),
+        "ttft_store_p50_s": median([a["ttft_s"] for a, _ in pairs]),
+        "ttft_nostore_p50_s": median([b["ttft_s"] for _, b in pairs]),
+        "added_fraction": median([a["ttft_s"] / b["ttft_s"] - 1 for a, b in pairs]),
+        "worker_ttft_store_p50_s": median([a["worker_ttft_s"] for a, _ in pairs]),
+        "worker_ttft_nostore_p50_s": median([b["worker_ttft_s"] for _, b in pairs]),
+    }
+
+
+def _throughput(run: Run) -> dict[str, Any] | None:
+    batch = run.get("batches", {}).get("docs")
+    if not batch:
+        return None
+    samples = run["samples"]
+    single = _by(samples, "docs", "kvpool")
+    b = _by(samples, "docs", "kvpool-2w")
+    seq = sum(s["total_s"] for s in single) if len(single) == len(b) else None
+    return {
+        **batch,
+        "requests_per_s": batch["requests"] / batch["wall_s"],
+        "prompt_tokens_per_s": sum(s["prompt_tokens"] for s in b) / batch["wall_s"],
+        "single_worker_sequential_s": seq,
+        "speedup_vs_single_worker": seq / batch["wall_s"] if seq else None,
+    }
+
+
+def _target(name: str, goal: str, measured: float | None, fmt: str, ok: bool | None, note: str = "") -> dict[str, Any]:
+    return {"target": name, "goal": goal, "measured": measured, "shown": (fmt.format(measured) if measured is not None else "n/a"),
+            "met": ok, "note": note}
+
+
+def targets(run: Run) -> list[dict[str, Any]]:
+    rows = {(r["workload"], r["system"]): r for r in run["summary"]}
+    cross = rows.get(("shared", "kvpool-cross"))
+    ram = rows.get(("shared", "llama-ram"))
+    disk = rows.get(("shared", "llama-disk"))
+    out = []
+    sp = cross["speedup_vs_cold"] if cross else None
+    out.append(_target("W1 cross-worker TTFT, speed-up over cold", ">= 25x", sp, "{:.1f}x", None if sp is None else sp >= 25))
+    fl = run.get("floor")
+    r = fl["ratio"] if fl else None
+    out.append(_target("W1 cross-worker TTFT / physical floor", "<= 1.3x", r, "{:.2f}x", None if r is None else r <= 1.3,
+                       "floor = KV bytes / raw GET bandwidth + suffix-only evaluation"))
+    r = cross["ttft_p50_s"] / ram["ttft_p50_s"] if cross and ram else None
+    out.append(_target("W1 cross-worker TTFT / LlamaRAMCache same-process hit", "<= 1.5x", r, "{:.2f}x", None if r is None else r <= 1.5))
+    r = cross["ttft_p50_s"] / disk["ttft_p50_s"] if cross and disk else None
+    out.append(_target("W1 cross-worker TTFT / LlamaDiskCache hit", "< 1x (ahead)", r, "{:.2f}x", None if r is None else r < 1))
+    bpt = run.get("bytes_per_token") or {}
+    r = bpt.get("ratio")
+    out.append(_target("stored bytes per token / theoretical KV bytes", "<= 1.01", r, "{:.4f}", None if r is None else r <= 1.01))
+    miss = run.get("miss_cost")
+    r = miss["added_fraction"] if miss else None
+    out.append(_target("miss: TTFT added by the store (W4)", "<= +3%", None if r is None else r * 100, "{:+.2f}%", None if r is None else r <= 0.03))
+    h = run.get("hashing") or {}
+    r = h.get("total_p50_s")
+    out.append(_target("chain hashing + lookup, 32k tokens (p50)", "< 5 ms", None if r is None else r * 1e3, "{:.2f} ms", None if r is None else r < 0.005))
+    return out
+
+
+def analyze(doc: dict[str, Any]) -> dict[str, Any]:
+    """Add summary, floor, miss cost, throughput and targets to every run of ``doc`` (in place); returns ``doc``."""
+    for run in doc["runs"]:
+        run["summary"] = summarize(run)
+        run["floor"] = _floor(run)
+        run["miss_cost"] = _miss_cost(run)
+        run["throughput"] = _throughput(run)
+        run["targets"] = targets(run)
+    return doc
+
+
+# -- text -------------------------------------------------------------------------
+
+
+def _s(x: float | None, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.{digits}f}" if x < 100 else f"{x:.1f}"
+
+
+def _x(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}x"
+
+
+TABLE_HEAD = ["model", "workload", "system", "n", "TTFT p50 s", "TTFT p95 s", "total s", "evaluated", "reused", "vs cold"]
+
+
+def table_rows(doc: dict[str, Any]) -> list[list[str]]:
+    out = []
+    for run in doc["runs"]:
+        for r in run["summary"]:
+            out.append([
+                run["model"]["label"], WORKLOAD_TITLES.get(r["workload"], r["workload"]), r["system"], str(r["n"]),
+                _s(r["ttft_p50_s"]), _s(r["ttft_p95_s"]), _s(r["total_s"], 1), str(r["evaluated_tokens"]), str(r["reused_tokens"]),
+                _x(r["speedup_vs_cold"]),
+            ])
+    return out
+
+
+def print_table(doc: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    t = Table(title="kvpool bench: time to first token (s), tokens evaluated vs reused", show_lines=False)
+    for h in TABLE_HEAD:
+        t.add_column(h, justify="left" if h in ("model", "workload", "system") else "right")
+    last = None
+    for row in table_rows(doc):
+        if last is not None and row[:2] != last:
+            t.add_section()
+        t.add_row(*row)
+        last = row[:2]
+    console.print(t)
+    tt = Table(title="targets")
+    for h in ("model", "target", "goal", "measured", ""):
+        tt.add_column(h)
+    for run in doc["runs"]:
+        for g in run["targets"]:
+            mark = "met" if g["met"] else ("MISSED" if g["met"] is False else "n/a")
+            tt.add_row(run["model"]["label"], g["target"], g["goal"], g["shown"], mark)
+    console.print(tt)
+
+
+def _md_table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def markdown(doc: dict[str, Any], plots: list[str]) -> str:
+    m = doc["machine"]
+    parts = [
+        "# kvpool bench",
+        "",
+        "Made by:",
+        "",
+        "```",
+        doc["command"],
+        "```",
+        "",
+        f"Started {doc['started_at']}, took {doc['duration_s'] / 60:.1f} min. Store: {doc.get('store_endpoint', doc['store'])}. "
+        f"Machine: {m['cpu']}, {m['usable_cpus']} usable CPUs, {m['memory_gb']} GB RAM, {m['platform']}, Python {m['python']}, "
+        f"llama-cpp-python {m['llama_cpp_python']}. Load average at start {_load(m.get('loadavg_at_start'))}, "
+        f"at end {_load(m.get('loadavg_at_end'))} (other processes on the machine share its cores).",
+        "",
+        "Every system answers the same prompts with the same model, threads and greedy sampling (EOS banned, so each request "
+        "generates the same number of tokens). Systems are interleaved request by request. Time to first token (TTFT) runs from "
+        "the request to the first sampled token; for kvpool it is what the client sees, queue and Redis stream included. "
+        "`vs cold` compares medians over the requests both answered.",
+        "",
+        "Systems: " + "; ".join(f"`{k}`: {v}" for k, v in SYSTEM_TITLES.items()) + ".",
+        "",
+    ]
+    for run in doc["runs"]:
+        parts += _md_run(run)
+    parts += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    return "\n".join(parts)
+
+
+def _load(x: list[float] | None) -> str:
+    return "-" if not x else " / ".join(f"{v:.2f}" for v in x)
+
+
+def _md_run(run: Run) -> list[str]:
+    mod, prof = run["model"], run["profile"]
+    label = mod["label"]
+    cal = run["calibration"]
+    out = [
+        f"## Model `{label}`",
+        "",
+        f"`{mod['path']}` ({mod['file_bytes'] / 1e9:.2f} GB, {mod['n_layer']} layers); chunk size {prof['chunk_size']}, "
+        f"context {prof['n_ctx']}, {prof['threads']} threads per system ({prof['pool_threads']} per worker in the 2-worker run), "
+        f"{prof['max_tokens']} generated tokens per request"
+        + (f", cold answers at most {prof['cold_repeats']} measured requests per workload" if prof.get("cold_repeats") else "")
+        + f". Calibration: {cal['prompt_tokens_per_s']:.0f} prompt tokens/s, {cal['decode_s_per_token'] * 1e3:.0f} ms per generated token.",
+        "",
+        "Workloads: " + "; ".join(f"**{WORKLOAD_TITLES.get(w['key'], w['key'])}**: {w['description']}" for w in run["workloads"]) + ".",
+        "",
+    ]
+    rows = [r[1:] for r in _rows_of(run)]
+    out += [_md_table(TABLE_HEAD[1:], rows), ""]
+    cross = next((r for r in run["summary"] if r["workload"] == "shared" and r["system"] == "kvpool-cross"), None)
+    crosses = [r for r in run["summary"] if r["system"] == "kvpool-cross"]
+    if crosses:
+        n = sum(r["n"] for r in crosses)
+        z = sum(r["from_context_zero"] for r in crosses)
+        st = sum(r["restored_from_store"] for r in crosses)
+        out += [f"Cross-worker check: {z} of {n} `kvpool-cross` requests reused nothing from the serving worker's own context "
+                f"(`cached_from_context` = 0); {st} restored a prefix from the store (the others had nothing to restore: first "
+                "requests of a document or conversation).", ""]
+    fl = run.get("floor")
+    if fl:
+        out += [
+            "### Physical floor of a cross-worker hit (W1)",
+            "",
+            f"Raw GET bandwidth of the store endpoint, {run['raw_get']['objects']} objects of {run['raw_get']['object_bytes'] / 1e6:.2f} MB "
+            f"fetched {run['raw_get']['threads']} at a time: {fl['raw_get_bytes_per_s'] / 1e6:.0f} MB/s (median of {fl['raw_get_samples']}). "
+            f"KV bytes to move: {fl['kv_bytes'] / 1e6:.1f} MB, so {fl['transfer_s'] * 1e3:.0f} ms; suffix-only evaluation "
+            f"{fl['suffix_eval_s'] * 1e3:.0f} ms. Floor {fl['floor_s'] * 1e3:.0f} ms; kvpool cross-worker TTFT "
+            f"{fl['kvpool_cross_ttft_s'] * 1e3:.0f} ms = **{fl['ratio']:.2f}x the floor**.",
+            "",
+        ]
+        if cross:
+            cs = [s for s in run["samples"] if s["workload"] == "shared" and s["system"] == "kvpool-cross"]
+            parts = {k: median([s[k] for s in cs if s[k] is not None]) for k in ("lookup_s", "fetch_s", "restore_s", "prompt_eval_s", "worker_ttft_s")}
+            out += [
+                "Where kvpool's cross-worker time goes (worker timings, medians): "
+                f"lookup {_ms(parts['lookup_s'])}, fetch + verify {_ms(parts['fetch_s'])}, join + restore {_ms(parts['restore_s'])}, "
+                f"suffix evaluation {_ms(parts['prompt_eval_s'])}; worker-side TTFT {_ms(parts['worker_ttft_s'])} against "
+                f"{_ms(cross['ttft_p50_s'])} seen by the client.",
+                "",
+            ]
+    bpt = run.get("bytes_per_token")
+    if bpt and bpt.get("stored_bytes_per_token"):
+        o = bpt["overhead_per_token"]
+        out += [
+            "### Stored bytes per token",
+            "",
+            f"{bpt['stored_bytes_per_token']:.1f} stored against {bpt['theoretical_kv_bytes_per_token']} theoretical (K and V rows of "
+            f"{bpt['layout']['n_layer']} layers) = {bpt['ratio']:.4f}; per token the overhead is {o['cell_metadata']} bytes of cell "
+            f"metadata, {o['payload_header']:.2f} of payload header and {o['blob_header']:.2f} of blob header ({bpt['chunks']} chunks).",
+            "",
+        ]
+    miss = run.get("miss_cost")
+    if miss:
+        out += [
+            "### Cost of a miss (W4)",
+            "",
+            f"Cold requests on a worker with the store enabled vs disabled, paired by prompt ({miss['requests']}): TTFT "
+            f"{miss['ttft_store_p50_s']:.3f} s vs {miss['ttft_nostore_p50_s']:.3f} s, the store adds {miss['added_fraction'] * 100:+.2f}% "
+            f"(median of the pairs).",
+            "",
+        ]
+    thr = run.get("throughput")
+    if thr:
+        sp = f", {thr['speedup_vs_single_worker']:.2f}x the single 2-thread worker's sequential {thr['single_worker_sequential_s']:.1f} s" if thr.get("speedup_vs_single_worker") else ""
+        out += [
+            "### Throughput (W3, 2 workers)",
+            "",
+            f"{thr['requests']} requests submitted at once to {thr['workers']} workers of {thr['threads_each']} thread: "
+            f"{thr['wall_s']:.1f} s, {thr['requests_per_s']:.3f} requests/s, {thr['prompt_tokens_per_s']:.0f} prompt tokens/s{sp}.",
+            "",
+        ]
+    h = run.get("hashing")
+    if h:
+        out += [
+            "### Chain hashing and lookup",
+            "",
+            f"{h['tokens']} tokens ({h['chunks']} chunks): hashing {_ms(h['hash_p50_s'])}, index lookup {_ms(h['lookup_p50_s'])}, "
+            f"together {_ms(h['total_p50_s'])} p50, {_ms(h['total_p95_s'])} p95 ({h['reps']} repetitions).",
+            "",
+        ]
+    out += ["### Targets", "", "Targets are set for the `bench` model; other models' rows are for information.", ""]
+    out += [_md_table(["target", "goal", "measured", "result"],
+                      [[g["target"], g["goal"], g["shown"], "met" if g["met"] else ("**missed**" if g["met"] is False else "n/a")] for g in run["targets"]]), ""]
+    return out
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f} ms"
+
+
+def _rows_of(run: Run) -> list[list[str]]:
+    return table_rows({"runs": [run]})
+
+
+# -- plots ------------------------------------------------------------------------
+
+
+def plot(doc: dict[str, Any], out: Path) -> list[str]:
+    """Write ``ttft.png`` and ``tokens.png``; returns their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = doc["runs"]
+    colors = dict(zip(SYSTEMS, plt.get_cmap("tab10").colors))
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 4.2 * len(runs)), squeeze=False)
+    for ax, run in zip(axes[:, 0], runs):
+        wls = [w["key"] for w in run["workloads"]]
+        rows = {(r["workload"], r["system"]): r for r in run["summary"]}
+        systems = [s for s in SYSTEMS if any((w, s) in rows for w in wls)]
+        width = 0.8 / max(1, len(systems))
+        for j, s in enumerate(systems):
+            xs, p50, p95 = [], [], []
+            for i, w in enumerate(wls):
+                r = rows.get((w, s))
+                if r:
+                    xs.append(i + (j - (len(systems) - 1) / 2) * width)
+                    p50.append(r["ttft_p50_s"])
+                    p95.append(max(0.0, r["ttft_p95_s"] - r["ttft_p50_s"]))
+            ax.bar(xs, p50, width, yerr=[[0] * len(p95), p95], capsize=2, label=s, color=colors[s],
+                   hatch="//" if s == "suffix-only" else None, edgecolor="white" if s != "suffix-only" else "black")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(wls)), [WORKLOAD_TITLES.get(w, w) for w in wls])
+        ax.set_ylabel("time to first token, s (p50, bar to p95)")
+        ax.set_title(f"model {run['model']['label']}")
+        ax.grid(axis="y", which="both", alpha=0.3)
+        ax.legend(fontsize=8, ncol=4)
+    fig.tight_layout()
+    fig.savefig(out / "ttft.png", dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 4.2 * len(runs)), squeeze=False)
+    for ax, run in zip(axes[:, 0], runs):
+        rows = [r for r in run["summary"] if r["system"] != "suffix-only"]
+        labels = [f"{r['workload']}\n{r['system']}" for r in rows]
+        ev = [r["evaluated_tokens"] / r["n"] for r in rows]
+        re = [r["reused_tokens"] / r["n"] for r in rows]
+        xs = range(len(rows))
+        ax.bar(xs, ev, 0.7, label="evaluated", color="#d62728")
+        ax.bar(xs, re, 0.7, bottom=ev, label="reused", color="#2ca02c")
+        ax.set_xticks(list(xs), labels, rotation=70, fontsize=7)
+        ax.set_ylabel("prompt tokens per request (mean)")
+        ax.set_title(f"model {run['model']['label']}: prompt tokens evaluated vs reused")
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "tokens.png", dpi=110)
+    plt.close(fig)
+    return ["ttft.png", "tokens.png"]
+
+
+def write_outputs(doc: dict[str, Any], out: Path) -> list[Path]:
+    """Write results.json, report.md and the plots into ``out``; returns the paths."""
+    from worker.bench.runner import write_json
+
+    out.mkdir(parents=True, exist_ok=True)
+    plots = plot(doc, out)
+    write_json(doc, out / "results.json")
+    (out / "report.md").write_text(markdown(doc, plots))
+    return [out / "results.json", out / "report.md", *(out / p for p in plots)]
+
