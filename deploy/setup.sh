@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up kvpool on a fresh Debian/Ubuntu machine, then run the demo or the test suite.
 #
-#   bash deploy/setup.sh demo      # install, then start a pool on the embedded default and use it
+#   bash deploy/setup.sh demo      # install, then start a pool (kvpool up), send it real requests, stop it
 #   bash deploy/setup.sh test      # install, then run the whole test suite (extra args go to pytest)
 #
 # Idempotent: a second run reuses the virtualenv (.kvpool/venv) and the llama-cpp-python
@@ -71,7 +71,7 @@ case "${1:-}" in
         ;;
     demo)
         shift
-        exec "$VENV/bin/python" -m gateway.demo "$@"
+        exec "$VENV/bin/kvpool" up --demo "$@"
         ;;
     install)
         say "installed: $VENV/bin/kvpool"

@@ -14,6 +14,7 @@ _GROUPS = {
     "model": "worker.cli:model_group",
     "worker": "worker.cli:worker_command",
     "gateway": "gateway.cli:gateway_command",
+    "up": "gateway.up:up_command",
 }
 
 

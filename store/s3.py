@@ -18,6 +18,24 @@ if TYPE_CHECKING:
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 
 
+def s3_client(settings: StoreSettings) -> Any:
+    """A boto3 S3 client with the endpoint, credentials and bounded timeouts and retries from ``settings``."""
+    return boto3.session.Session().client(
+        "s3",
+        endpoint_url=settings.s3_endpoint_url,
+        region_name=settings.s3_region,
+        aws_access_key_id=settings.s3_access_key_id,
+        aws_secret_access_key=settings.s3_secret_access_key,
+        config=Config(
+            connect_timeout=settings.connect_timeout_s,
+            read_timeout=settings.read_timeout_s,
+            retries={"max_attempts": settings.retries + 1, "mode": "standard"},
+            max_pool_connections=max(10, settings.io_threads * 2),
+            s3={"addressing_style": "path"},
+        ),
+    )
+
+
 class S3Backend:
     """Blobs as objects under ``prefix`` in ``bucket``.
 
@@ -37,21 +55,7 @@ class S3Backend:
 
     @classmethod
     def from_settings(cls, settings: StoreSettings, *, bucket: str, prefix: str = "") -> S3Backend:
-        client = boto3.session.Session().client(
-            "s3",
-            endpoint_url=settings.s3_endpoint_url,
-            region_name=settings.s3_region,
-            aws_access_key_id=settings.s3_access_key_id,
-            aws_secret_access_key=settings.s3_secret_access_key,
-            config=Config(
-                connect_timeout=settings.connect_timeout_s,
-                read_timeout=settings.read_timeout_s,
-                retries={"max_attempts": settings.retries + 1, "mode": "standard"},
-                max_pool_connections=max(10, settings.io_threads * 2),
-                s3={"addressing_style": "path"},
-            ),
-        )
-        return cls(client, bucket, prefix, create_bucket=settings.s3_create_bucket)
+        return cls(s3_client(settings), bucket, prefix, create_bucket=settings.s3_create_bucket)
 
     def _unavailable(self, e: Exception) -> StoreUnavailable:
         if isinstance(e, ClientError):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -53,42 +52,3 @@ class S3Server:
         self.proc = None
 
 
-
-class GatewayProcess:
-    """A real ``kvpool gateway`` process on a free port."""
-
-    def __init__(self, env: dict[str, str], log_path: str | os.PathLike[str]) -> None:
-        self.port = free_port()
-        self.env = {**os.environ, **env, "KVPOOL_PORT": str(self.port)}
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 60.0) -> GatewayProcess:
-        kvpool = os.path.join(os.path.dirname(sys.executable), "kvpool")
-        self.proc = subprocess.Popen([kvpool, "gateway"], env=self.env, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                urllib.request.urlopen(self.url + "/healthz", timeout=1).read()
-                return self
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"gateway did not start:\n{open(self.log_path).read()[-3000:]}") from None
-                time.sleep(0.1)
-
-    def log(self) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()

@@ -110,11 +110,15 @@ def rescue_orphaned_queues(conn: redis.Redis, shared: Queue) -> int:
 
 
 def resolve_model(settings: WorkerSettings) -> Path:
-    """The model file to load: the configured path, or the generated demo model."""
+    """The model file to load: a path, an ``s3://`` URL (downloaded once), or the generated demo model."""
     if not settings.model:
         from worker.genmodel import ensure_model
 
         return ensure_model("tiny", settings.state_dir / "models")
+    if settings.model.startswith("s3://"):
+        from worker.model_fetch import fetch_model
+
+        return fetch_model(settings.model, settings)
     path = Path(settings.model)
     if not path.is_file():
         raise FileNotFoundError(f"model not found: {path}")

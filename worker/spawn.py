@@ -24,9 +24,9 @@ class WorkerProcess:
 
     def start(self, conn: redis.Redis, timeout_s: float = 120.0) -> WorkerProcess:
         """Start the process and wait until it advertises itself (model loaded, self-check done)."""
-        log = open(self.log_path, "ab")
+        log = open(self.log_path, "ab")  # noqa: SIM115 -- handed to the child process
         kvpool = os.path.join(os.path.dirname(sys.executable), "kvpool")
-        self.proc = subprocess.Popen([kvpool, "worker"], env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen([kvpool, "worker"], env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while not any(a.worker == self.name for a in adverts(conn)):
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -341,10 +341,11 @@ def dockerignored(path: str, patterns: list[str]) -> bool:
 @cache
 def metric_samples() -> dict[str, str]:
     """Sample name -> metric family, for every kvpool metric in the prometheus_client registry."""
+    from prometheus_client import REGISTRY
+
     import gateway.metrics  # noqa: F401  (importing registers the collectors)
     import store.metrics  # noqa: F401
     import worker.metrics  # noqa: F401
-    from prometheus_client import REGISTRY
 
     suffixes = {
         "counter": ["_total", "_created"],

@@ -128,7 +128,10 @@ def test_service_environment_is_valid_settings(name: str, services: dict[str, An
 def test_gateway_and_workers_agree(services: dict[str, Any]) -> None:
     """Model, KV layout, chunk size, store and Redis: the gateway computes the same chain keys as the workers."""
     gateway, worker = df.environment(services["gateway"]), df.environment(services["worker"])
-    shared = lambda env: {k: v for k, v in env.items() if k.startswith(df.ENV_PREFIX) and k not in ROLE_SETTINGS}  # noqa: E731
+
+    def shared(env: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in env.items() if k.startswith(df.ENV_PREFIX) and k not in ROLE_SETTINGS}
+
     assert shared(gateway) == shared(worker)
     assert {"KVPOOL_MODEL", "KVPOOL_REDIS_URL", "KVPOOL_STORE_URL"} <= set(shared(gateway))
     for name in KVPOOL_SERVICES:
@@ -176,6 +179,23 @@ def test_kvpool_services_wait_for_their_dependencies(name: str, services: dict[s
             assert services[dep].get("healthcheck"), f"{name} waits for {dep} to be healthy, but {dep} has no healthcheck"
         if condition == "service_completed_successfully":
             assert services[dep].get("restart", "no") == "no", f"{dep} is a one-shot job: it must not restart"
+
+
+def test_dependencies_exist_and_do_not_cycle(services: dict[str, Any]) -> None:
+    graph = {name: set(df.depends_on(s)) for name, s in services.items()}
+    for name, deps in graph.items():
+        assert deps <= set(services), f"{name} depends on unknown services {sorted(deps - set(services))}"
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"dependency cycle: {' -> '.join((*path, name))}"
+        if name not in done:
+            for dep in graph[name]:
+                visit(dep, (*path, name))
+            done.add(name)
+
+    for name in graph:
+        visit(name, ())
 
 
 def test_gateway_port_and_healthcheck(services: dict[str, Any]) -> None:
@@ -284,7 +304,7 @@ def _fake_command(folder: Path, name: str, body: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
-SHELLS = [sh for sh in ("sh", "bash") if shutil.which(sh)]
+SHELLS = ["sh"] + (["bash"] if shutil.which("bash") else [])  # sh: python:3.11-slim's dash; bash: the mc image's
 
 
 @pytest.mark.parametrize("shell", SHELLS)
@@ -302,11 +322,11 @@ def test_model_job_generates_the_default_model(shell: str, services: dict[str, A
         kvpool = Path(shutil.which("kvpool") or "")
     assert kvpool.name == "kvpool", "the kvpool command is not installed (pip install -e .)"
     env = {"PATH": f"{kvpool.parent}:/usr/bin:/bin", "KVPOOL_MODEL": str(target), "HOME": str(tmp_path)}
-    r = subprocess.run([shell, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([shell, "-c", script], env=env, check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert target.read_bytes()[:4] == b"GGUF"
     mtime = target.stat().st_mtime_ns
-    r = subprocess.run([shell, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([shell, "-c", script], env=env, check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and f"model: {target}" in r.stdout
     assert target.stat().st_mtime_ns == mtime, "an existing model was generated again"
 
@@ -315,7 +335,7 @@ def test_model_job_generates_the_default_model(shell: str, services: dict[str, A
 def test_model_job_fails_on_a_missing_own_model(shell: str, services: dict[str, Any], tmp_path: Path) -> None:
     _fake_command(tmp_path, "kvpool", "echo called >&2; exit 3\n")
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "KVPOOL_MODEL": str(tmp_path / "llama-3-8b.Q4_K_M.gguf")}
-    r = subprocess.run([shell, "-c", _script(services["model"])], env=env, capture_output=True, text=True, timeout=30)
+    r = subprocess.run([shell, "-c", _script(services["model"])], env=env, check=False, capture_output=True, text=True, timeout=30)
     assert r.returncode == 1
     assert "model not found" in r.stderr and "called" not in r.stderr
 
@@ -333,7 +353,7 @@ def test_createbucket_job(shell: str, store_url: str, services: dict[str, Any], 
         env["KVPOOL_STORE_URL"] = store_url
     log = tmp_path / "mc.log"
     _fake_command(tmp_path, "mc", f'echo "$*" >>{log}\nif [ "$1" = ilm ]; then cat >{tmp_path}/lifecycle.json; fi\n')
-    r = subprocess.run([shell, "-c", _script(job)], env={**env, "PATH": f"{tmp_path}:/usr/bin:/bin"}, capture_output=True, text=True, timeout=30)
+    r = subprocess.run([shell, "-c", _script(job)], env={**env, "PATH": f"{tmp_path}:/usr/bin:/bin"}, check=False, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
 
     bucket, _, prefix = env["KVPOOL_STORE_URL"].removeprefix("s3://").partition("/")
@@ -354,10 +374,10 @@ def test_createbucket_job_survives_a_failed_lifecycle_rule(shell: str, services:
     """An S3 server without lifecycle support does not stop the stack; a failed bucket creation does."""
     job = services["createbucket"]
     _fake_command(tmp_path, "mc", 'if [ "$1" = ilm ]; then exit 1; fi\n')
-    r = subprocess.run([shell, "-c", _script(job)], env={**df.environment(job), "PATH": f"{tmp_path}:/usr/bin:/bin"}, capture_output=True, text=True, timeout=30)
+    r = subprocess.run([shell, "-c", _script(job)], env={**df.environment(job), "PATH": f"{tmp_path}:/usr/bin:/bin"}, check=False, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and "warning" in r.stderr
     _fake_command(tmp_path, "mc", 'if [ "$1" = mb ]; then exit 1; fi\n')
-    r = subprocess.run([shell, "-c", _script(job)], env={**df.environment(job), "PATH": f"{tmp_path}:/usr/bin:/bin"}, capture_output=True, text=True, timeout=30)
+    r = subprocess.run([shell, "-c", _script(job)], env={**df.environment(job), "PATH": f"{tmp_path}:/usr/bin:/bin"}, check=False, capture_output=True, text=True, timeout=30)
     assert r.returncode != 0
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
+import subprocess
 import tomllib
+from pathlib import Path
 
 import click
 import pytest
@@ -74,6 +77,24 @@ def test_llama_cpp_python_is_portable(instructions: list[df.Instruction]) -> Non
         assert f"-D{off}=OFF" in flags
     build = [i for i in instructions if i.cmd == "RUN" and "llama-cpp-python==" in i.args]
     assert build and "CMAKE_ARGS" in build[0].args
+    assert "--no-cache-dir" in build[0].args, "pip's wheel cache ignores CMAKE_ARGS: a changed flag would reuse an old build"
+
+
+def test_runtime_has_the_shared_libraries_of_llama_cpp(instructions: list[df.Instruction]) -> None:
+    """llama.cpp's libraries link OpenMP (libgomp), which the slim base image lacks."""
+    import llama_cpp
+
+    libs = sorted((Path(llama_cpp.__file__).parent / "lib").glob("*.so*"))
+    assert libs, "llama_cpp ships no shared libraries here"
+    ldd = shutil.which("ldd")
+    assert ldd, "ldd is missing (Debian package libc-bin)"
+    needed = set()
+    for lib in libs:
+        out = subprocess.run([ldd, str(lib)], check=False, capture_output=True, text=True, timeout=30).stdout
+        needed |= set(re.findall(r"^\s*(\S+\.so\.\d+) =>", out, re.MULTILINE))
+    installed = " ".join(i.args for i in final_stage(instructions) if i.cmd == "RUN" and "apt-get install" in i.args)
+    if "libgomp.so.1" in needed:
+        assert "libgomp1" in installed, "llama.cpp needs libgomp.so.1: apt-get install libgomp1 in the final stage"
 
 
 def test_llama_cpp_python_installed_before_the_source_is_copied(instructions: list[df.Instruction]) -> None:

@@ -125,7 +125,7 @@ def test_promql_parses(dashboard: dict[str, Any], tmp_path: Path) -> None:
     rules = [{"record": f"kvpool:dashboard:{n}", "expr": df.grafana_variables_to_promql(expr)} for n, (_, expr) in enumerate(exprs(dashboard))]
     path = tmp_path / "dashboard.rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
-    r = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=30)
+    r = subprocess.run([promtool(), "check", "rules", str(path)], check=False, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, f"promtool rejects a dashboard query:\n{r.stdout}{r.stderr}"
     assert f"{len(rules)} rules found" in r.stdout
 
@@ -133,7 +133,7 @@ def test_promql_parses(dashboard: dict[str, Any], tmp_path: Path) -> None:
 def test_promql_parse_check_has_teeth(tmp_path: Path) -> None:
     path = tmp_path / "bad.rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [{"record": "a:b", "expr": "sum(rate(x[5m])"}]}]}))
-    r = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=30)
+    r = subprocess.run([promtool(), "check", "rules", str(path)], check=False, capture_output=True, text=True, timeout=30)
     assert r.returncode != 0
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.services import GatewayProcess
+from gateway.up import GatewayProcess
+from store.redis_server import free_port
 
 MODEL = "kvpool-tiny-s0"
 
@@ -18,7 +19,7 @@ def start_gateway(pool_env: dict[str, str], tmp_path: Path) -> Iterator[Callable
     started: list[GatewayProcess] = []
 
     def start(**env: str) -> GatewayProcess:
-        g = GatewayProcess({**pool_env, **env}, tmp_path / f"gateway{len(started)}.log").start()
+        g = GatewayProcess({**pool_env, **env}, free_port(), tmp_path / f"gateway{len(started)}.log").start()
         started.append(g)
         return g
 

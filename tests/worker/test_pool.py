@@ -10,8 +10,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from store.blob import BlobName
 from store.index import RedisIndex
-from store.s3 import S3Backend
-from store.settings import StoreSettings
 from tests.conftest import POOL_CHUNK, cold_greedy, prompt_text, s3_settings
 from tests.services import S3Server
 from tests.worker.conftest import PoolClient

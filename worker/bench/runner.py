@@ -131,7 +131,7 @@ def cold_subset(wl: Workload, cap: int | None) -> set[int]:
     measured = [r.index for r in wl.measured]
     if cap is None or cap >= len(measured):
         return set(measured)
-    return {measured[int(round(i))] for i in np.linspace(0, len(measured) - 1, cap)}
+    return {measured[int(math.floor(i + 0.5))] for i in np.linspace(0, len(measured) - 1, cap)}
 
 
 def floor_keep(req: Request, chunk_size: int) -> int:
@@ -207,7 +207,7 @@ def prepare(run: ModelRun, seed: int) -> Prepared:
     cal = measure.calibrate(model.llm, src.pool, src.bos)
     prep = Prepared(run, model, src, workloads, cal)
     prep.steps = Planner(prep).plan()
-    prep.startup_est_s = 15.0 + run.path.stat().st_size / 200e6
+    prep.startup_est_s = 3 * (8.0 + run.path.stat().st_size / 200e6)  # three rounds of worker start-ups
     return prep
 
 
@@ -246,18 +246,31 @@ def run_model(prep: Prepared, services: Services, progress: Progress, clock: flo
     """Start this model's workers, play the plan, measure the extras; returns the run's part of the results."""
     run, prof = prep.run, prep.run.profile
     label, c = run.label, prof.chunk_size
-    keys = {w.key for w in prep.workloads}
     q = f"bench:{label}"
-    specs = [WorkerSpec(f"bench-{label}-single", prof.threads, f"{q}:single")]
-    specs += [WorkerSpec(f"bench-{label}-cross-{x}", prof.threads, f"{q}:cross") for x in "ab"]
-    if "docs" in keys:
-        specs += [WorkerSpec(f"bench-{label}-pool-{x}", prof.pool_threads, f"{q}:pool") for x in "12"]
-    if "unique" in keys:
-        specs.append(WorkerSpec(f"bench-{label}-nostore", prof.threads, f"{q}:nostore", store=False))
-    t = time.monotonic()
-    services.start_workers(specs, model=run.path, chunk_size=c, n_ctx=prof.n_ctx)
-    progress.note(f"{label}: {len(specs)} workers up in {time.monotonic() - t:.0f} s")
+    groups = {
+        "single": [WorkerSpec(f"bench-{label}-single", prof.threads, f"{q}:single")],
+        "cross": [WorkerSpec(f"bench-{label}-cross-{x}", prof.threads, f"{q}:cross") for x in "ab"],
+        "pool": [WorkerSpec(f"bench-{label}-pool-{x}", prof.pool_threads, f"{q}:pool") for x in "12"],
+        "nostore": [WorkerSpec(f"bench-{label}-nostore", prof.threads, f"{q}:nostore", store=False)],
+    }
+    running: dict[str, list] = {}
 
+    def need(*names: str) -> None:
+        """Start worker groups when first needed: each bench-model process holds its own ~2 GB copy of the weights."""
+        todo = [n for n in names if n not in running]
+        if not todo:
+            return
+        t = time.monotonic()
+        procs = services.start_workers([w for n in todo for w in groups[n]], model=run.path, chunk_size=c, n_ctx=prof.n_ctx)
+        for n in todo:
+            running[n] = [p for p in procs if p.name in {w.name for w in groups[n]}]
+        progress.note(f"{label}: workers {', '.join(p.name for p in procs)} up in {time.monotonic() - t:.0f} s")
+
+    def drop(name: str) -> None:
+        if name in running:
+            services.stop_workers(running.pop(name))
+
+    need("single", "cross")
     client = PoolClient(services.conn, run.path, c, prep.model.eos, [prep.src.bos, int(prep.src.pool[0])])
     scratch = services.work_dir
     mk = dict(model_label=label, clock=clock)
@@ -265,9 +278,9 @@ def run_model(prep: Prepared, services: Services, progress: Progress, clock: flo
         "cold": LlamaCppSystem("cold", prep.model, "cold", scratch=scratch, **mk),
         "llama-ram": LlamaCppSystem("llama-ram", prep.model, "ram", scratch=scratch, **mk),
         "llama-disk": LlamaCppSystem("llama-disk", prep.model, "disk", scratch=scratch, **mk),
-        "kvpool": KvpoolSystem("kvpool", client, [specs[0].name], tenant="single", **mk),
-        "kvpool-cross": KvpoolSystem("kvpool-cross", client, [specs[1].name, specs[2].name], tenant="cross", cross=True, **mk),
-        "kvpool-nostore": KvpoolSystem("kvpool-nostore", client, [f"bench-{label}-nostore"], tenant="nostore", store=False, **mk),
+        "kvpool": KvpoolSystem("kvpool", client, [w.name for w in groups["single"]], tenant="single", **mk),
+        "kvpool-cross": KvpoolSystem("kvpool-cross", client, [w.name for w in groups["cross"]], tenant="cross", cross=True, **mk),
+        "kvpool-nostore": KvpoolSystem("kvpool-nostore", client, [w.name for w in groups["nostore"]], tenant="nostore", store=False, **mk),
     }
     samples: list[Sample] = []
     batches: dict[str, object] = {}
@@ -281,6 +294,8 @@ def run_model(prep: Prepared, services: Services, progress: Progress, clock: flo
                     for s in systems.values():
                         s.end(current)
                 current = step.workload
+                if current == "unique":
+                    need("nostore")
                 for s in systems.values():
                     s.begin(current)
             wl_title = step.workload
@@ -313,10 +328,11 @@ def run_model(prep: Prepared, services: Services, progress: Progress, clock: flo
                 progress.advance(step.est_s, f"{label}  shared  raw GET of {len(probe.names)} x {probe.object_bytes / 1e6:.1f} MB: {bw / 1e6:.0f} MB/s")
             elif step.kind == "batch":
                 wl = next(w for w in prep.workloads if w.key == step.workload)
-                for w in specs:
-                    if w.queue.endswith(":pool"):
-                        client.flush(w.name)  # a fresh process's first job pays one-off allocations
+                need("pool")
+                for w in groups["pool"]:
+                    client.flush(w.name)  # a fresh process's first job pays one-off allocations
                 batch, wall = run_batch(client, f"{q}:pool", "pool:docs", wl.requests, prof.max_tokens, system="kvpool-2w", **mk)
+                drop("pool")
                 samples += batch
                 batches[step.workload] = {"workers": 2, "threads_each": prof.pool_threads, "requests": len(batch), "wall_s": wall}
                 progress.advance(step.est_s, f"{label}  {wl_title:<7} kvpool-2w       {len(batch)} requests at once: {wall:.1f} s")

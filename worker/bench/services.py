@@ -154,13 +154,16 @@ class Services:
                 fut.result()
         return procs
 
-    def stop_workers(self) -> None:
-        for w in self.workers:
+    def stop_workers(self, procs: list[WorkerProcess] | None = None) -> None:
+        """Stop ``procs`` (default: every worker), side by side."""
+        procs = list(self.workers if procs is None else procs)
+        for w in procs:
             if w.proc is not None and w.proc.poll() is None:
                 w.proc.terminate()
-        for w in self.workers:
+        for w in procs:
             w.stop(timeout_s=15)
-        self.workers.clear()
+            if w in self.workers:
+                self.workers.remove(w)
 
     def close(self, *, keep: bool = False) -> None:
         try:

@@ -1,0 +1,210 @@
+"""``kvpool up``: a whole pool on one machine -- managed Redis, the store, N workers and the gateway.
+
+Every component runs as its own process in its own session, so Ctrl-C reaches only this
+supervisor, which then stops them in order (gateway, workers with a warm shutdown, Redis)
+and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+import httpx
+import redis
+from pydantic import ValidationError
+
+from gateway.settings import GatewaySettings
+from store.redis_server import RedisServer, free_port
+from worker.process import resolve_model
+from worker.spawn import WorkerProcess
+
+Say = Callable[[str], None]
+
+
+class GatewayProcess:
+    """A ``kvpool gateway`` process; ready once ``/healthz`` answers."""
+
+    def __init__(self, env: dict[str, str], port: int, log_path: str | os.PathLike[str]) -> None:
+        self.port = port
+        self.env = {**os.environ, **env, "KVPOOL_PORT": str(port)}
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        host = self.env.get("KVPOOL_HOST", "127.0.0.1")
+        return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> GatewayProcess:
+        kvpool = os.path.join(os.path.dirname(sys.executable), "kvpool")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([kvpool, "gateway"], env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/healthz", timeout=1).read()
+                return self
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the gateway did not start; its log:\n{self.log()[-3000:]}") from None
+                time.sleep(0.1)
+
+    def log(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def default_workers() -> tuple[int, int]:
+    """Workers and threads per worker that the cores allow: two threads each, at least one worker."""
+    cores = os.cpu_count() or 1
+    workers = max(1, cores // 2)
+    return workers, max(1, cores // workers)
+
+
+class LocalPool:
+    def __init__(self, settings: GatewaySettings, *, workers: int, threads: int, say: Say) -> None:
+        self.settings = settings
+        self.n_workers = workers
+        self.threads = threads
+        self.say = say
+        self.logs = settings.state_dir / "logs"
+        self.redis: RedisServer | None = None
+        self.workers: list[WorkerProcess] = []
+        self.gateway: GatewayProcess | None = None
+
+    def start(self) -> GatewayProcess:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        env: dict[str, str] = {"KVPOOL_STATE_DIR": str(self.settings.state_dir)}
+        if "redis_url" in self.settings.model_fields_set:
+            redis_url = self.settings.redis_url
+            self.say(f"redis    {redis_url} (configured)")
+        else:
+            self.redis = RedisServer(self.settings.state_dir / "redis", persist=True).start()
+            redis_url = self.redis.url
+            self.say(f"redis    {redis_url} (managed, data in {self.redis.data_dir})")
+        env["KVPOOL_REDIS_URL"] = redis_url
+        model = resolve_model(self.settings)
+        env["KVPOOL_MODEL"] = str(model)
+        self.say(f"model    {model}")
+        self.say(f"store    {self.settings.resolved_store_url()}")
+        conn = redis.Redis.from_url(redis_url)
+        for i in range(self.n_workers):
+            name = f"worker-{i + 1}"
+            w = WorkerProcess(name, {**env, "KVPOOL_N_THREADS": str(self.threads)}, self.logs / f"{name}.log")
+            self.workers.append(w.start(conn))
+            self.say(f"{name} ready ({self.threads} threads, log {w.log_path})")
+        port = self.settings.port or free_port()
+        self.gateway = GatewayProcess(env, port, self.logs / "gateway.log").start()
+        self.say(f"gateway  {self.gateway.url} ready")
+        return self.gateway
+
+    def dead(self) -> list[str]:
+        gone = [w.name for w in self.workers if w.proc is not None and w.proc.poll() is not None]
+        if self.gateway is not None and self.gateway.proc is not None and self.gateway.proc.poll() is not None:
+            gone.append("gateway")
+        return gone
+
+    def stop(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+        stoppers = [threading.Thread(target=w.stop) for w in self.workers]
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join()
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def examples(url: str, model: str) -> str:
+    return f"""
+Try it:
+
+  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+
+  python -c 'from openai import OpenAI; c = OpenAI(base_url="{url}/v1", api_key="none"); \\
+print(c.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hello!"}}], max_tokens=32).choices[0].message.content)'
+
+Ctrl-C stops everything.
+"""
+
+
+def demo_requests(url: str, model: str, say: Say) -> None:
+    """Two chat requests sharing a long system prompt: the second is answered mostly from cache."""
+    system = " ".join(f"Rule {i}: answer briefly, cite the handbook section {i}, and stay polite." for i in range(1, 41))
+    for question in ("What is rule seven about?", "And what does rule twelve say?"):
+        body = {"model": model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}], "max_tokens": 24, "temperature": 0}
+        t0 = time.perf_counter()
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+        r.raise_for_status()
+        doc = r.json()
+        usage, extra = doc["usage"], doc["kvpool"]
+        say(
+            f"request  {question!r}: {usage['prompt_tokens']} prompt tokens, "
+            f"{usage['prompt_tokens_details']['cached_tokens']} cached "
+            f"({extra['cached_from_context']} from the worker's context, {extra['cached_from_store']} from the store), "
+            f"answered by {extra['worker']} in {time.perf_counter() - t0:.2f} s"
+        )
+        say(f"answer   {doc['choices'][0]['message']['content']!r}")
+        time.sleep(0.5)
+
+
+@click.command("up")
+@click.option("--model", "model", default=None, help="GGUF path or s3://bucket/key (default: KVPOOL_MODEL, else a generated demo model).")
+@click.option("--workers", type=int, default=None, help="Worker processes (default: what the cores allow).")
+@click.option("--threads", type=int, default=None, help="Threads per worker.")
+@click.option("--port", type=int, default=None, help="Gateway port (default: KVPOOL_PORT; 0 picks a free one).")
+@click.option("--demo", is_flag=True, help="Send two example requests, print what happened, then stop.")
+def up_command(model: str | None, workers: int | None, threads: int | None, port: int | None, demo: bool) -> None:
+    """Start a working pool on this machine: Redis, the store, workers and the gateway."""
+    overrides = {k: v for k, v in {"model": model, "port": port}.items() if v is not None}
+    try:
+        settings = GatewaySettings(**overrides)
+    except ValidationError as e:
+        raise click.ClickException(f"bad settings: {e}") from None
+    n, t = default_workers()
+    pool = LocalPool(settings, workers=workers or n, threads=threads or t, say=click.echo)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    click.echo(f"starting kvpool: {pool.n_workers} worker(s) x {pool.threads} thread(s)")
+    try:
+        gateway = pool.start()
+        served = settings.model_name or Path(gateway.env["KVPOOL_MODEL"]).name.removesuffix(".gguf")
+        if demo:
+            demo_requests(gateway.url, served, click.echo)
+            return
+        click.echo(examples(gateway.url, served))
+        reported: set[str] = set()
+        while not stop.wait(1.0):
+            gone = pool.dead()
+            if set(gone) - reported:
+                click.echo(f"stopped unexpectedly: {', '.join(sorted(set(gone) - reported))} (logs in {pool.logs})", err=True)
+                reported.update(gone)
+            if "gateway" in gone or len(gone) == len(pool.workers):
+                raise SystemExit(1)
+    except (RuntimeError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+    finally:
+        click.echo("stopping ...")
+        pool.stop()
+        click.echo("stopped.")

@@ -1,0 +1,109 @@
+"""``kvpool bench``: the quick run end to end (real services, workers and outputs; no timing assertions), and its pure parts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import llama_cpp
+import pytest
+from click.testing import CliRunner
+
+from worker.bench.cli import bench_command
+from worker.bench.runner import PROFILES, cold_subset
+from worker.bench.systems import Sample
+from worker.bench.workloads import TokenSource, build
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def quick_results(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker.bench", "--quick", "--out", str(out), "--models-dir", str(tiny_model.parent)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+@pytest.mark.timeout(180)
+def test_quick_run_writes_every_output_and_field(quick_results: tuple[Path, str]) -> None:
+    out, stdout = quick_results
+    assert "Expected duration" in stdout and "[  1/" in stdout
+    doc = json.loads((out / "results.json").read_text())
+    assert {"version", "command", "started_at", "duration_s", "machine", "store", "store_endpoint", "runs"} <= doc.keys()
+    assert doc["command"].startswith("kvpool bench --quick")
+    assert {"cpu", "usable_cpus", "memory_gb", "platform", "llama_cpp_python", "loadavg_at_start", "loadavg_at_end"} <= doc["machine"].keys()
+    (run,) = doc["runs"]
+    assert run["model"]["label"] == "tiny"
+    for key in ("samples", "summary", "floor", "miss_cost", "throughput", "bytes_per_token", "hashing", "raw_get", "targets"):
+        assert run[key], key
+
+    names = {f.name for f in fields(Sample)}
+    assert all(names == s.keys() for s in run["samples"])
+    pairs = {(s["workload"], s["system"]) for s in run["samples"]}
+    base = {"cold", "llama-ram", "llama-disk", "kvpool", "kvpool-cross"}
+    expected = {(w, s) for w in ("shared", "chat", "docs", "unique") for s in base}
+    expected |= {("shared", "suffix-only"), ("docs", "kvpool-2w"), ("unique", "kvpool-nostore")}
+    assert pairs == expected
+    for row in run["summary"]:
+        assert {"ttft_p50_s", "ttft_p95_s", "total_s", "evaluated_tokens", "reused_tokens", "speedup_vs_cold"} <= row.keys()
+        assert row["ttft_p50_s"] > 0 and row["evaluated_tokens"] + row["reused_tokens"] == row["prompt_tokens"]
+    assert len(run["targets"]) == 7 and all({"target", "goal", "measured", "met"} <= t.keys() for t in run["targets"])
+    assert {"floor_s", "ratio", "raw_get_bytes_per_s", "kv_bytes", "suffix_eval_s"} <= run["floor"].keys()
+
+
+def test_cross_worker_requests_are_served_from_the_store_alone(quick_results: tuple[Path, str]) -> None:
+    run = json.loads((quick_results[0] / "results.json").read_text())["runs"][0]
+    cross = [s for s in run["samples"] if s["system"] == "kvpool-cross"]
+    assert cross and all(s["cached_from_context"] == 0 for s in cross)
+    shared = [s for s in cross if s["workload"] == "shared"]
+    assert all(s["cached_from_store"] == run["profile"]["sizes"]["prefix_tokens"] for s in shared)
+    assert {s["worker"] for s in shared} == {"bench-tiny-cross-a", "bench-tiny-cross-b"}
+
+
+def test_quick_run_writes_the_report_and_plots(quick_results: tuple[Path, str]) -> None:
+    out, stdout = quick_results
+    report = (out / "report.md").read_text()
+    assert "kvpool bench --quick" in report and "### Targets" in report and "![ttft.png](ttft.png)" in report
+    for png in ("ttft.png", "tokens.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "targets" in stdout and "W1 shared prefix" in stdout
+
+
+def test_workloads_are_deterministic_and_sized_as_asked(tiny_model: Path) -> None:
+    llm = llama_cpp.Llama(str(tiny_model), vocab_only=True, verbose=False)
+    sizes = PROFILES["quick"].sizes
+    a = build(("shared", "chat", "docs", "unique"), TokenSource(llm), sizes, seed=3)
+    b = build(("shared", "chat", "docs", "unique"), TokenSource(llm), sizes, seed=3)
+    assert [[r.tokens for r in w.requests] for w in a] == [[r.tokens for r in w.requests] for w in b]
+    shared, chat, docs, unique = a
+    assert [r.n for r in shared.requests] == [sizes.prefix_tokens + sizes.question_tokens] * (sizes.shared_questions + 1)
+    assert [r.warmup for r in shared.requests] == [True] + [False] * sizes.shared_questions
+    assert all(r.tokens[: sizes.prefix_tokens] == shared.requests[0].tokens[: sizes.prefix_tokens] for r in shared.requests)
+    assert len(chat.requests) == sizes.chat_turns
+    assert all(nxt.tokens[: len(cur.tokens)] == cur.tokens for cur, nxt in zip(chat.requests, chat.requests[1:]))
+    assert len(docs.requests) == sizes.docs * sizes.doc_questions
+    assert len({tuple(r.tokens[:8]) for r in unique.requests}) == sizes.unique_prompts
+    c = build(("shared",), TokenSource(llm), sizes, seed=4)
+    assert c[0].requests[1].tokens != shared.requests[1].tokens
+
+
+def test_cold_subset_spreads_over_the_workload(tiny_model: Path) -> None:
+    llm = llama_cpp.Llama(str(tiny_model), vocab_only=True, verbose=False)
+    (chat,) = build(("chat",), TokenSource(llm), PROFILES["tiny"].sizes)
+    assert cold_subset(chat, 3) == {0, 3, 5}
+    assert cold_subset(chat, None) == set(range(6))
+
+
+def test_bad_workload_names_are_refused() -> None:
+    result = CliRunner().invoke(bench_command, ["--workloads", "shared,nope"])
+    assert result.exit_code == 2 and "--workloads" in result.output
