@@ -15,6 +15,7 @@ _GROUPS = {
     "worker": "worker.cli:worker_command",
     "gateway": "gateway.cli:gateway_command",
     "up": "gateway.up:up_command",
+    "docs": "gateway.docs:docs_command",
 }
 
 

@@ -21,7 +21,7 @@ class StoreSettings(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the chunk index and the job queues.")
     store_url: str = Field(
         "",
-        description="Where blobs live: a local directory, or s3://bucket/prefix. Empty means <state_dir>/store.",
+        description="Where blobs live: a local directory, or s3://bucket/prefix. Empty: the store folder in KVPOOL_STATE_DIR.",
     )
     s3_endpoint_url: str | None = Field(None, description="S3 endpoint, e.g. http://minio:9000. Empty means AWS.")
     s3_region: str = Field("us-east-1", description="S3 region name.")
