@@ -195,3 +195,11 @@ def test_fuzzed_requests_never_get_a_server_error(one_worker) -> None:
         check()
     assert sum(seen.values()) >= 60, seen
     assert 200 in seen and 400 in seen and 404 in seen, seen
+
+
+def test_a_job_that_fails_for_good_is_502_with_the_workers_reason(start_worker, start_gateway) -> None:
+    start_worker("w1", KVPOOL_CHUNK_SIZE="32")
+    gw = start_gateway(KVPOOL_CHUNK_SIZE="64")
+    r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": prompt_text(3, 100), "max_tokens": 2}, timeout=60)
+    err = assert_openai_error(r, 502, "chunk size")
+    assert err["code"] == "worker_error"
