@@ -16,6 +16,7 @@ _GROUPS = {
     "gateway": "gateway.cli:gateway_command",
     "up": "gateway.up:up_command",
     "docs": "gateway.docs:docs_command",
+    "batch": "gateway.batch:batch_command",
 }
 
 
