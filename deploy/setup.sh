@@ -23,6 +23,9 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 install_system_packages() {
     local pkgs=()
     command -v redis-server >/dev/null || pkgs+=(redis-server)
+    if [ "${1:-}" = test ]; then
+        command -v promtool >/dev/null || pkgs+=(prometheus)  # the tests check deploy/prometheus.yml with promtool
+    fi
     command -v c++ >/dev/null && command -v make >/dev/null || pkgs+=(build-essential)
     command -v "$PY" >/dev/null || pkgs+=(python3)
     "$PY" -m venv --help >/dev/null 2>&1 || pkgs+=(python3-venv python3-dev)
@@ -61,7 +64,7 @@ install_python_packages() {
     echo "$want" >"$stamp"
 }
 
-install_system_packages
+install_system_packages "${1:-}"
 install_python_packages
 
 case "${1:-}" in

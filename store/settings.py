@@ -15,7 +15,7 @@ from store.chain import DEFAULT_CHUNK_SIZE
 
 
 class StoreSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="KVPOOL_", env_file=None, extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="KVPOOL_", env_file=None, extra="ignore", env_ignore_empty=True)
 
     state_dir: Path = Field(Path(".kvpool"), description="Folder for local state: models, the filesystem store, managed Redis data.")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the chunk index and the job queues.")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -405,6 +406,16 @@ def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(p)
         out.extend(p.get("panels", []))
     return out
+
+
+def promtool() -> str:
+    """Path of Prometheus' promtool; the test fails (not skips) without it."""
+    import pytest
+
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail("promtool is not installed: the Debian package `prometheus` provides it (apt-get install prometheus; deploy/setup.sh installs it)")
+    return path
 
 
 def grafana_variables_to_promql(expr: str) -> str:

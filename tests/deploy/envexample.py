@@ -40,7 +40,7 @@ COMPOSE_VARIABLES = {
 
 # Said once more about some settings, for this deployment.
 NOTES = {
-    "KVPOOL_MODEL": "In this stack a path under /models: the model job generates a missing /models/kvpool-<size>-s<seed>.gguf (size tiny or bench).",
+    "KVPOOL_MODEL": "In this stack a path under /models (the model job generates a missing /models/kvpool-<size>-s<seed>.gguf, size tiny or bench), or s3://bucket/key.gguf.",
     "KVPOOL_STORE_URL": "The createbucket job creates this bucket (and expires quarantine/ in it).",
     "KVPOOL_S3_ACCESS_KEY_ID": "Also MinIO's root user in this stack.",
     "KVPOOL_S3_SECRET_ACCESS_KEY": "Also MinIO's root password in this stack (8 characters or more).",

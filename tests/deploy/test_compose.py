@@ -341,6 +341,16 @@ def test_model_job_fails_on_a_missing_own_model(shell: str, services: dict[str, 
 
 
 @pytest.mark.parametrize("shell", SHELLS)
+def test_model_job_leaves_s3_models_to_the_workers(shell: str, services: dict[str, Any], tmp_path: Path) -> None:
+    """KVPOOL_MODEL=s3://... is what worker.process.resolve_model downloads itself: the job neither generates nor fails."""
+    _fake_command(tmp_path, "kvpool", "echo called >&2; exit 3\n")
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "KVPOOL_MODEL": "s3://kvpool/models/kvpool-tiny-s0.gguf"}
+    r = subprocess.run([shell, "-c", _script(services["model"])], env=env, check=False, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert "called" not in r.stderr
+
+
+@pytest.mark.parametrize("shell", SHELLS)
 @pytest.mark.parametrize("store_url", ["default", "s3://pool", "s3://pool/", "s3://pool/team/cache", "s3://pool/team/cache/"])
 def test_createbucket_job(shell: str, store_url: str, services: dict[str, Any], tmp_path: Path) -> None:
     """Runs the createbucket script with a stand-in `mc`: it creates the store's bucket and expires exactly the store's quarantine/ keys."""

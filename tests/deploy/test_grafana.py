@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.deploy import deployfiles as df
-from tests.deploy.test_prometheus import promtool
+from tests.deploy.deployfiles import promtool
 
 # Panel title -> metrics (sample names) its queries must use; one of each tuple at least.
 REQUIRED_PANELS = {

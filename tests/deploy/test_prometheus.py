@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -11,13 +10,7 @@ import pytest
 import yaml
 
 from tests.deploy import deployfiles as df
-
-
-def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.fail("promtool is not installed: `apt-get install prometheus` (Debian) provides it; deploy/setup.sh should install it")
-    return path
+from tests.deploy.deployfiles import promtool
 
 
 @pytest.fixture(scope="module")
