@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 import click
+from pydantic import ValidationError
 
 from store.logs import configure_logging
 from store.settings import StoreSettings
@@ -42,7 +43,10 @@ def main(ctx: click.Context, log_level: str, log_json: bool) -> None:
     Settings come from KVPOOL_* environment variables.
     """
     configure_logging(log_level, log_json)
-    ctx.obj = StoreSettings()
+    try:
+        ctx.obj = StoreSettings()
+    except ValidationError as e:
+        raise click.ClickException(f"bad settings: {e}") from None
 
 
 @click.command("gateway")

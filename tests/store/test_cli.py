@@ -89,3 +89,8 @@ def test_parse_size() -> None:
     assert parse_size("1.5 MB") == 1_500_000
     with pytest.raises(ValueError):
         parse_size("5 parsecs")
+
+
+def test_bad_settings_are_a_clear_error(tmp_path: Path) -> None:
+    out = kvpool({"KVPOOL_CHUNK_SIZE": "abc", "KVPOOL_STORE_URL": str(tmp_path)}, "store", "stats")
+    assert out.returncode == 1 and "chunk_size" in out.stderr and "Traceback" not in out.stderr
