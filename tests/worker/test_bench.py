@@ -29,6 +29,7 @@ def quick_results(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
         capture_output=True,
         text=True,
         timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc.stdout
@@ -107,3 +108,11 @@ def test_cold_subset_spreads_over_the_workload(tiny_model: Path) -> None:
 def test_bad_workload_names_are_refused() -> None:
     result = CliRunner().invoke(bench_command, ["--workloads", "shared,nope"])
     assert result.exit_code == 2 and "--workloads" in result.output
+
+
+def test_the_report_can_be_rewritten_from_its_json(quick_results: tuple[Path, str], tmp_path: Path) -> None:
+    out, _ = quick_results
+    result = CliRunner().invoke(bench_command, ["--from-json", str(out / "results.json"), "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "report.md").read_text() == (out / "report.md").read_text()
+    assert (tmp_path / "ttft.png").exists() and (tmp_path / "tokens.png").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 import signal
 from dataclasses import replace
@@ -53,6 +54,10 @@ def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:
 @click.option("--max-tokens", type=click.IntRange(min=1), help="Tokens generated per request.")
 @click.option("--chunk-size", type=click.IntRange(min=1), help="Tokens per stored chunk  [default: 256; 32 with --quick]")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the workloads' prompts.")
+@click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Skip the run: rewrite the table, report and plots from an earlier results.json (into --out).")
+@click.option("--max-foreign-load", type=click.FloatRange(min=0.0),
+              help="Before each round wait (up to 2 min) until other processes use fewer than this many cores.")
 @click.pass_context
 def bench_command(
     ctx: click.Context,
@@ -70,6 +75,8 @@ def bench_command(
     max_tokens: int | None,
     chunk_size: int | None,
     seed: int,
+    max_foreign_load: float | None,
+    from_json: Path | None,
 ) -> None:
     """Benchmark kvpool against llama-cpp-python (no cache, LlamaRAMCache, LlamaDiskCache) on four workloads.
 
@@ -81,6 +88,14 @@ def bench_command(
     from worker.bench.report import analyze, print_table, write_outputs
     from worker.bench.runner import PROFILES, ModelRun, run_bench
     from worker.genmodel import ensure_model
+
+    if from_json is not None:
+        doc = json.loads(from_json.read_text())
+        analyze(doc)
+        print_table(doc)
+        for path in write_outputs(doc, out):
+            click.echo(f"wrote {path}")
+        return
 
     keys = tuple(k.strip() for k in workloads.split(",") if k.strip())
     unknown = [k for k in keys if k not in WORKLOAD_KEYS]
@@ -117,7 +132,9 @@ def bench_command(
         previous = None
     try:
         doc = run_bench(runs, out=out, store=store, s3_endpoint_url=s3_endpoint_url, seed=seed,
-                        command=_command_line(ctx), echo=lambda s: click.echo(s))
+                        command=_command_line(ctx), echo=lambda s: click.echo(s), max_foreign_load=max_foreign_load)
+    except (RuntimeError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from e
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -9,6 +9,7 @@ one that failed.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -42,6 +43,8 @@ class S3Endpoint:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> S3Endpoint:
+        if importlib.util.find_spec("moto") is None:
+            raise RuntimeError("the S3 endpoint needs moto[server] (pip install 'moto[server]'); or use --store fs or --s3-endpoint-url")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL,

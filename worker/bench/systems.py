@@ -38,12 +38,20 @@ import redis
 
 from store.fingerprint import fingerprint_file
 from store.index import RedisIndex
+from worker.bench.workloads import Request
 from worker.client import events, submit
 from worker.llama_state import open_llama
 from worker.namespace import namespace_for
-from worker.protocol import DoneEvent, ErrorEvent, JobResult, JobSpec, SamplingParams, TokenEvent, worker_queue
+from worker.protocol import (
+    DoneEvent,
+    ErrorEvent,
+    JobResult,
+    JobSpec,
+    SamplingParams,
+    TokenEvent,
+    worker_queue,
+)
 from worker.settings import WorkerSettings
-from worker.bench.workloads import Request
 
 SAMPLING = {"temperature": 0.0, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0}
 """Greedy decoding, the same for every system; EOS is banned so every request generates ``max_tokens``."""
@@ -74,6 +82,8 @@ class Sample:
     prompt_eval_s: float | None = None
     at_s: float = 0.0
     loadavg_1m: float = 0.0
+    foreign_cpu: float | None = None
+    """Cores' worth of CPU other processes used while this request ran (whole batch, for a batch)."""
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -329,11 +339,11 @@ class KvpoolSystem:
         if self.cross:
             self.client.flush(worker)
         result, ttft, total = self.client.run(req.tokens, queue=worker_queue(worker), tenant=self.tenant, max_tokens=max_tokens)
-        if self.store and self.publish_stalls < 2:
-            # Publishing runs in the background; let it finish so it neither competes with the next
-            # request (of any system) nor leaves this system's next request without its chunks.
-            if not self.client.wait_published(held_tokens(req, result), self.tenant, self.publish_timeout_s):
-                self.publish_stalls += 1
+        # Publishing runs in the background; let it finish so it neither competes with the next
+        # request (of any system) nor leaves this system's next request without its chunks.
+        if (self.store and self.publish_stalls < 2
+                and not self.client.wait_published(held_tokens(req, result), self.tenant, self.publish_timeout_s)):
+            self.publish_stalls += 1
         if req.warmup:
             return None
         self.measured += 1
@@ -377,7 +387,7 @@ def run_batch(
     def collect(i: int) -> None:
         try:
             results[i] = client.collect(jobs[i], t0)
-        except BaseException as e:  # reported below, in the caller's thread
+        except BaseException as e:  # noqa: BLE001 -- re-raised below, in the caller's thread
             results[i] = e
 
     threads = [threading.Thread(target=collect, args=(i,), daemon=True) for i in range(len(requests))]
