@@ -18,6 +18,7 @@ _GROUPS = {
     "up": "gateway.up:up_command",
     "docs": "gateway.docs:docs_command",
     "batch": "gateway.batch:batch_command",
+    "bench": "worker.bench.cli:bench_command",
 }
 
 

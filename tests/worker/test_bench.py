@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 def quick_results(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run(
-        [sys.executable, "-m", "worker.bench", "--quick", "--out", str(out), "--models-dir", str(tiny_model.parent)],
+        [str(Path(sys.executable).parent / "kvpool"), "bench", "--quick", "--out", str(out), "--models-dir", str(tiny_model.parent)],
         cwd=REPO,
         capture_output=True,
         text=True,
