@@ -1,54 +1,8 @@
-"""Real services for the tests: a local S3-compatible HTTP endpoint (moto's server mode)."""
+"""Credentials for the tests' S3 endpoint; the endpoint itself is `store.s3_server.S3Server`."""
 
-from __future__ import annotations
-
-import subprocess
-import sys
-import time
-import urllib.request
-
-from store.redis_server import free_port
+from store.s3_server import S3Server
 
 S3_ACCESS_KEY = "kvpool-test"
 S3_SECRET_KEY = "kvpool-test-secret"
 
-
-class S3Server:
-    """An S3 endpoint over real HTTP on a free loopback port, reached through boto3 like MinIO."""
-
-    def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def endpoint_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 30.0) -> S3Server:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                urllib.request.urlopen(self.endpoint_url + "/moto-api/", timeout=1).read()
-                return self
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"S3 server did not start on port {self.port}") from None
-                time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-
+__all__ = ["S3Server", "S3_ACCESS_KEY", "S3_SECRET_KEY"]

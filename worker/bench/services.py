@@ -9,13 +9,9 @@ one that failed.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
-import subprocess
-import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,53 +19,13 @@ from pathlib import Path
 import redis
 
 from store.redis_server import RedisServer, free_port
+from store.s3_server import S3Server
 from store.settings import StoreSettings
 from worker.spawn import WorkerProcess
 
 BUCKET = "kvpool-bench"
 MOTO_ACCESS_KEY = "kvpool-bench"
 MOTO_SECRET_KEY = "kvpool-bench-secret"
-
-
-class S3Endpoint:
-    """moto's S3 server over real HTTP on a free loopback port: the same boto3 path as MinIO."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 30.0) -> S3Endpoint:
-        if importlib.util.find_spec("moto") is None:
-            raise RuntimeError("the S3 endpoint needs moto[server] (pip install 'moto[server]'); or use --store fs or --s3-endpoint-url")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                urllib.request.urlopen(self.url + "/moto-api/", timeout=1).read()
-                return self
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"the S3 endpoint (moto) did not start on port {self.port}") from None
-                time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
 
 
 @dataclass
@@ -88,7 +44,7 @@ class Services:
     store_kind: str = "s3"
     s3_endpoint_url: str | None = None
     redis: RedisServer | None = None
-    s3: S3Endpoint | None = None
+    s3: S3Server | None = None
     workers: list[WorkerProcess] = field(default_factory=list)
     store_env: dict[str, str] = field(default_factory=dict)
 
@@ -104,8 +60,8 @@ class Services:
             if self.s3_endpoint_url:
                 endpoint, creds = self.s3_endpoint_url, {}
             else:
-                self.s3 = S3Endpoint().start()
-                endpoint = self.s3.url
+                self.s3 = S3Server().start()
+                endpoint = self.s3.endpoint_url
                 creds = {"KVPOOL_S3_ACCESS_KEY_ID": MOTO_ACCESS_KEY, "KVPOOL_S3_SECRET_ACCESS_KEY": MOTO_SECRET_KEY}
             self.store_env = {**common, "KVPOOL_STORE_URL": f"s3://{BUCKET}/{run}", "KVPOOL_S3_ENDPOINT_URL": endpoint, **creds}
         else:
