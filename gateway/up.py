@@ -23,7 +23,7 @@ import redis
 from pydantic import ValidationError
 
 from gateway.settings import GatewaySettings
-from store.redis_server import RedisServer, free_port
+from store.redis_server import RedisServer, free_port, stop_process
 from worker.process import resolve_model
 from worker.spawn import WorkerProcess
 
@@ -63,13 +63,7 @@ class GatewayProcess:
             return f.read().decode(errors="replace")
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout_s)
 
 
 def default_workers() -> tuple[int, int]:

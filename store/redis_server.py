@@ -1,4 +1,4 @@
-"""A redis-server process managed by kvpool: for the embedded default (`kvpool up`) and the tests."""
+"""A redis-server process managed by kvpool (for `kvpool up` and the tests), and helpers for the processes kvpool starts."""
 
 from __future__ import annotations
 
@@ -9,6 +9,20 @@ import time
 from pathlib import Path
 
 import redis
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float = 10.0) -> int | None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``; returns the exit status."""
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def free_port() -> int:
@@ -52,13 +66,7 @@ class RedisServer:
                 time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.proc = None
 
     def __enter__(self) -> RedisServer:

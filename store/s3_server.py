@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.request
 
-from store.redis_server import free_port
+from store.redis_server import free_port, stop_process
 
 
 class S3Server:
@@ -44,11 +44,5 @@ class S3Server:
                 time.sleep(0.1)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.proc = None

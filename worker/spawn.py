@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import redis
 
+from store.redis_server import stop_process
 from worker.advert import adverts
 
 
@@ -44,13 +44,5 @@ class WorkerProcess:
             self.proc.wait()
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        """Warm shutdown: the current job finishes first."""
+        return stop_process(self.proc, timeout_s)
