@@ -45,6 +45,22 @@ log = logging.getLogger("kvpool.gateway")
 WORKER_CHECK_S = 2.0
 
 
+class _ClosingStream(StreamingResponse):
+    """A streaming response that closes its body generator however the response ends.
+
+    When the client goes away, Starlette stops iterating the body and leaves the generator
+    to the garbage collector, so its ``finally`` (which cancels the job) could run seconds
+    later, or never. Closing it here cancels the job as soon as the disconnect is seen.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
 class _BodyLimit:
     """Answers 413 for bodies over the limit, whether or not they announce their length."""
 
@@ -122,7 +138,7 @@ class Gateway:
         model = self.preparer.model_name
         if stream:
             chunks = StreamChunks(job_id, model, prepared.chat, want_logprobs)
-            return StreamingResponse(self._sse(events, chunks, include_usage, job_id), media_type="text/event-stream")
+            return _ClosingStream(self._sse(events, chunks, include_usage, job_id), media_type="text/event-stream")
         tokens: list[TokenEvent] = []
         async for ev in events:
             if isinstance(ev, TokenEvent):
