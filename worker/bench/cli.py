@@ -50,14 +50,15 @@ def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:
 @click.option("--workloads", default=",".join(WORKLOAD_KEYS), show_default=True, help="Comma-separated subset of the workloads.")
 @click.option("--repeats", type=click.IntRange(min=1), help="Measured questions of the shared-prefix workload (overrides the profile).")
 @click.option("--cold-repeats", type=click.IntRange(min=1), help="Most measured requests per workload the cold system answers.")
-@click.option("--threads", type=click.IntRange(min=1), help="Threads per system (the 2-worker run uses 1 each)  [default: 2]")
+@click.option("--threads", type=click.IntRange(min=1), help="Threads per system (the 2-worker run uses 1 each)  [default: 2; 1 with --quick]")
 @click.option("--max-tokens", type=click.IntRange(min=1), help="Tokens generated per request.")
 @click.option("--chunk-size", type=click.IntRange(min=1), help="Tokens per stored chunk  [default: 256; 32 with --quick]")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the workloads' prompts.")
 @click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Skip the run: rewrite the table, report and plots from an earlier results.json (into --out).")
 @click.option("--max-foreign-load", type=click.FloatRange(min=0.0),
-              help="Before each round wait (up to 2 min) until other processes use fewer than this many cores.")
+              help="On a shared machine: before each round wait (up to 2 min) until other processes use fewer than this many "
+                   "cores, and ask a disturbed cold request again.")
 @click.pass_context
 def bench_command(
     ctx: click.Context,
@@ -82,8 +83,8 @@ def bench_command(
 
     Starts its own redis-server, S3 endpoint and kvpool workers, prints the expected
     duration and a line per step, then a table; writes report.md, results.json and
-    plots to --out. The default run (bench and tiny models) takes about 30 minutes on
-    2 cores; --quick under a minute.
+    plots to --out. The default run (bench and tiny models) takes about 25 minutes on
+    2 idle cores; --quick well under a minute.
     """
     from worker.bench.report import analyze, print_table, write_outputs
     from worker.bench.runner import PROFILES, ModelRun, run_bench
