@@ -9,9 +9,10 @@ Order of work for a job (`Engine.run`):
    them, join them with the chunks cut from the local context, and restore.
 4. Evaluate the rest (always at least the last prompt token, so there are logits) and
    generate, streaming each token out.
-5. After the first token, hand the prompt's new full chunks to the background
-   publisher; after the last, the chunks that cover prompt plus completion (so the
-   next turn of a chat, which resends the whole history, is a hit for any worker).
+5. Once the first token is out, hand the prompt's full chunks the store lacks to the
+   background publisher; after the last token, the chunks that cover prompt plus
+   completion (so the next turn of a chat, which resends the whole history, is a hit
+   for any worker).
 
 The store never fails a job: an unreachable store means a cold evaluation, a bad blob
 ends the usable prefix where it starts, and publish errors are logged and counted.
@@ -166,9 +167,9 @@ class Engine:
         )
         try:
             for tok in gen if budget > 0 else ():
-                if t_first is None:
+                first = t_first is None
+                if first:
                     t_first = time.perf_counter()
-                    self._publish(ns, tokens)
                 if llama_cpp.llama_vocab_is_eog(self.llm._model.vocab, tok):
                     finish = "stop"
                     break
@@ -181,6 +182,8 @@ class Engine:
                 if not emit(TokenEvent(text=text, token=tok, piece=piece, logprob=lp, top_logprobs=top)):
                     finish = "cancelled"
                     break
+                if first and plan.store_depth < len(tokens) // ns.chunk_size:
+                    self._publish(ns, tokens)  # after the first token is out: the snapshot takes tens of ms
                 if stream.stopped:
                     finish = "stop"
                     break

@@ -303,74 +303,85 @@ def cut_state(state: Buffer, chunk_size: int, start_chunk: int = 0, stop_chunk: 
     return [row.tobytes() for row in out]
 
 
-def join_state(payloads: Sequence[Buffer], *, v_trans: bool) -> bytes:
+def join_state(payloads: Sequence[Buffer], *, v_trans: bool) -> bytearray:
     """The blob for chunks ``0..k-1`` given their payloads in order.
 
     ``v_trans`` is the V layout of the context that will load it: True when flash
     attention is off. The payloads must share one layout and, together, hold positions
     exactly ``0..N-1`` in order.
+
+    This is on the path to a restored request's first token, so each payload's rows are
+    copied once, straight into the blob (tens of MB for a long prompt of a 1B model).
     """
     if not payloads:
         raise StateFormatError("nothing to join")
     layout: StateLayout | None = None
+    parts: list[np.ndarray] = []
     n_cells = 0
-    bodies = []
     for i, payload in enumerate(payloads):
         lay, n = _payload_head(payload)
         if layout is None:
             layout = lay
         elif lay != layout:
             raise StateFormatError(f"payload {i} has a different layout from payload 0")
-        bodies.append(np.frombuffer(payload, np.uint8, n * lay.bytes_per_token, lay.header_bytes))
+        records = np.frombuffer(payload, np.uint8, n * lay.bytes_per_token, lay.header_bytes).reshape(n, lay.bytes_per_token)
+        pos = records[:, 0:4].view("<i4").ravel()
+        expected = np.arange(n_cells, n_cells + n, dtype=np.int32)
+        if not np.array_equal(pos, expected):
+            bad = int(np.argmax(pos != expected))
+            raise StateFormatError(
+                f"positions are not 0..N-1 in order: token {n_cells + bad} (payload {i}) has position {pos[bad]}"
+            )
+        if not np.all(records[:, 4:8].view("<u4") == 1):
+            raise StateFormatError(f"a cell of payload {i} does not belong to exactly one sequence")
+        parts.append(records)
         n_cells += n
     assert layout is not None
     if n_cells == 0:
         raise StateFormatError("the payloads hold no cells")
     bpt, meta_bytes = layout.bytes_per_token, layout.cell_meta_bytes
-    tokens = np.concatenate(bodies).reshape(n_cells, bpt)
+    seq_id = int(parts[0][0, meta_bytes - 4 : meta_bytes].view("<i4")[0])
 
-    pos = tokens[:, 0:4].view("<i4").ravel()
-    if not np.array_equal(pos, np.arange(n_cells, dtype=np.int32)):
-        bad = int(np.argmax(pos != np.arange(n_cells)))
-        raise StateFormatError(f"positions are not 0..{n_cells - 1} in order: token {bad} has position {pos[bad]}")
-    if not np.all(tokens[:, 4:8].view("<u4") == 1):
-        raise StateFormatError("a cell does not belong to exactly one sequence")
-    seq_id = int(tokens[0, meta_bytes - 4 : meta_bytes].view("<i4")[0])
+    out = bytearray(layout.state_bytes(n_cells))
+    buf = np.frombuffer(out, np.uint8)
 
-    out = buf = np.empty(layout.state_bytes(n_cells), np.uint8)
+    def rows(at: int, lo: int, width: int) -> int:
+        """Copy bytes ``[lo, lo+width)`` of every token record into the section at ``at``; returns its end."""
+        for part in parts:
+            buf[at : at + len(part) * width].reshape(len(part), width)[...] = part[:, lo : lo + width]
+            at += len(part) * width
+        return at
+
     _STATE_HEAD.pack_into(out, 0, STATE_MAGIC, seq_id, 1, n_cells)
-    at = _STATE_HEAD.size
-    buf[at : at + n_cells * meta_bytes].reshape(n_cells, meta_bytes)[...] = tokens[:, :meta_bytes]
-    at += n_cells * meta_bytes
+    at = rows(_STATE_HEAD.size, 0, meta_bytes)
     _DATA_HEAD.pack_into(out, at, int(v_trans), layout.n_layer)
     at += _DATA_HEAD.size
 
     offsets = layout._field_offsets()
     for lay, (k_at, _) in zip(layout.layers, offsets):
         _ROW_HEAD.pack_into(out, at, lay.k_type, lay.k_row_bytes)
-        at += _ROW_HEAD.size
-        buf[at : at + n_cells * lay.k_row_bytes].reshape(n_cells, -1)[...] = tokens[:, k_at : k_at + lay.k_row_bytes]
-        at += n_cells * lay.k_row_bytes
+        at = rows(at + _ROW_HEAD.size, k_at, lay.k_row_bytes)
     for lay, (_, v_at) in zip(layout.layers, offsets):
-        rows = tokens[:, v_at : v_at + lay.v_row_bytes]
         if not v_trans:
             _ROW_HEAD.pack_into(out, at, lay.v_type, lay.v_row_bytes)
-            at += _ROW_HEAD.size
-            buf[at : at + n_cells * lay.v_row_bytes].reshape(n_cells, -1)[...] = rows
-        else:
-            el = _transposable_el_size(lay.v_type)
-            n_embd = lay.v_row_bytes // el
-            _VT_HEAD.pack_into(out, at, lay.v_type, el, n_embd)
-            at += _VT_HEAD.size
-            dim_major = np.ndarray((n_embd, n_cells), _UINT_OF_SIZE[el], out, at)
-            token_major = np.ndarray((n_cells, n_embd), _UINT_OF_SIZE[el], tokens, v_at, (bpt, el))
-            # numpy's plain transposing copy thrashes the cache; blocks of tokens run ~2x faster.
-            block = max(16, _TRANSPOSE_BLOCK_BYTES // lay.v_row_bytes)
-            for t in range(0, n_cells, block):
-                dim_major[:, t : t + block] = token_major[t : t + block].T
+            at = rows(at + _ROW_HEAD.size, v_at, lay.v_row_bytes)
+            continue
+        el = _transposable_el_size(lay.v_type)
+        n_embd = lay.v_row_bytes // el
+        _VT_HEAD.pack_into(out, at, lay.v_type, el, n_embd)
+        at += _VT_HEAD.size
+        dim_major = np.ndarray((n_embd, n_cells), _UINT_OF_SIZE[el], out, at)
+        # numpy's plain transposing copy thrashes the cache; blocks of tokens run ~2x faster.
+        block = max(16, _TRANSPOSE_BLOCK_BYTES // lay.v_row_bytes)
+        t0 = 0
+        for part in parts:
+            token_major = np.ndarray((len(part), n_embd), _UINT_OF_SIZE[el], part, v_at, (bpt, el))
+            for t in range(0, len(part), block):
+                dim_major[:, t0 + t : t0 + t + min(block, len(part) - t)] = token_major[t : t + block].T
+            t0 += len(part)
         at += n_cells * lay.v_row_bytes
-    assert at == out.size
-    return out.tobytes()
+    assert at == len(out)
+    return out
 
 
 def _transposable_el_size(v_type: int) -> int:

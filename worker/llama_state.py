@@ -198,16 +198,18 @@ def kv_layout(llm: llama_cpp.Llama) -> KvLayout:
     )
 
 
-def read_seq_state(llm: llama_cpp.Llama, seq_id: int = 0) -> bytes:
-    """``llama_state_seq_get_data`` for one sequence (flags 0)."""
+def read_seq_state(llm: llama_cpp.Llama, seq_id: int = 0) -> bytearray:
+    """``llama_state_seq_get_data`` for one sequence (flags 0), written straight into the returned buffer."""
     size = llama_cpp.llama_state_seq_get_size(llm.ctx, seq_id)
     if size == 0:
         raise StateReadError(f"llama_state_seq_get_size failed for sequence {seq_id}")
-    buf = (ctypes.c_uint8 * size)()
-    written = llama_cpp.llama_state_seq_get_data(llm.ctx, buf, size, seq_id)
+    out = bytearray(size)
+    target = (ctypes.c_uint8 * size).from_buffer(out)
+    written = llama_cpp.llama_state_seq_get_data(llm.ctx, target, size, seq_id)
+    del target  # release the export, so the buffer is an ordinary bytearray again
     if written != size:
         raise StateReadError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
-    return bytes(buf)
+    return out
 
 
 def clear_seq(llm: llama_cpp.Llama, seq_id: int = 0) -> None:
