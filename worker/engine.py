@@ -248,7 +248,7 @@ class Engine:
         """Bring the context to the deepest prefix available, locally or from the store."""
         plan = _Plan(store_status="ok" if self.store else "disabled")
         n_local = 0
-        if self.context_tenant == ns.tenant_salt and self.llm.n_tokens > 0:
+        if self.context_tenant == ns.tenant_salt and self.llm.n_tokens > 0 and self.kv.prefix_reuse:
             held = self.llm.input_ids[: self.llm.n_tokens]
             upto = min(len(held), len(tokens))
             diff = np.flatnonzero(held[:upto] != np.asarray(tokens[:upto]))

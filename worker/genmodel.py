@@ -1,5 +1,8 @@
 """Deterministic random-weight GGUF models of the real ``llama`` architecture.
 
+(``tiny-swa`` is a ``cohere2`` model instead: its sliding-window cache is the kind kvpool
+cannot cut into chunks, so tests can check that such models are served cold.)
+
 The files load in llama.cpp (and llama-cpp-python) like any converted Llama model,
 so workers exercise the real prefill/decode and KV-cache code paths without
 downloading weights. Weights are drawn from a PCG64 stream seeded by
@@ -76,12 +79,23 @@ class ModelSpec:
     embd_std: float = 1.0
     qk_gain: float = 2.0
     out_gain: float = 2.0
+    block_out_gain: float = 1.0
+    """Scales the attention and feed-forward output matrices; with a tied output matrix the
+    residual stream must move well away from the input token's embedding, or the model echoes it."""
+    sliding_window: int = 0
+    """Above 0: a ``cohere2`` model with sliding-window layers, whose cache kvpool cannot cut."""
+    swa_pattern: int = 2
+    """With a sliding window: every ``swa_pattern``-th layer attends globally (Command R7B has 4, Gemma 2 has 2)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("f16", "f32"):
             raise ValueError(f"dtype must be 'f16' or 'f32', not {self.dtype!r}")
         if self.n_embd % self.n_head or self.n_head % self.n_head_kv:
             raise ValueError("n_embd must divide by n_head and n_head by n_head_kv")
+
+    @property
+    def arch(self) -> str:
+        return "cohere2" if self.sliding_window else "llama"
 
     @property
     def head_dim(self) -> int:
@@ -105,11 +119,19 @@ SIZES: dict[str, ModelSpec] = {
         name="bench", n_vocab=32000, n_embd=2048, n_layer=22, n_head=32, n_head_kv=4,
         n_ff=5632, n_ctx_train=4096,
     ),
+    "tiny-swa": ModelSpec(
+        name="tiny-swa", n_vocab=2048, n_embd=256, n_layer=4, n_head=4, n_head_kv=2,
+        n_ff=512, n_ctx_train=4096, block_out_gain=8.0, sliding_window=32,
+    ),
 }
 
 
 def _tensor_plan(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], float]]:
-    """(name, numpy shape (rows=out, cols=in), std) per tensor; std 0 marks an all-ones norm."""
+    """(name, numpy shape (rows=out, cols=in), std) per tensor; std 0 marks an all-ones norm.
+
+    ``cohere2`` blocks run attention and feed-forward in parallel off one norm, and its
+    output matrix is the token embedding.
+    """
     d, kv, ff = spec.n_embd, spec.n_embd_kv, spec.n_ff
     inv = 1.0 / np.sqrt(d)
     plan: list[tuple[str, tuple[int, ...], float]] = [
@@ -121,16 +143,18 @@ def _tensor_plan(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], float]]:
             (f"blk.{i}.attn_q.weight", (d, d), spec.qk_gain * inv),
             (f"blk.{i}.attn_k.weight", (kv, d), spec.qk_gain * inv),
             (f"blk.{i}.attn_v.weight", (kv, d), inv),
-            (f"blk.{i}.attn_output.weight", (d, d), inv),
-            (f"blk.{i}.ffn_norm.weight", (d,), 0.0),
+            (f"blk.{i}.attn_output.weight", (d, d), spec.block_out_gain * inv),
+        ]
+        if spec.arch == "llama":
+            plan.append((f"blk.{i}.ffn_norm.weight", (d,), 0.0))
+        plan += [
             (f"blk.{i}.ffn_gate.weight", (ff, d), inv),
             (f"blk.{i}.ffn_up.weight", (ff, d), inv),
-            (f"blk.{i}.ffn_down.weight", (d, ff), 1.0 / np.sqrt(ff)),
+            (f"blk.{i}.ffn_down.weight", (d, ff), spec.block_out_gain / np.sqrt(ff)),
         ]
-    plan += [
-        ("output_norm.weight", (d,), 0.0),
-        ("output.weight", (spec.n_vocab, d), spec.out_gain * inv),
-    ]
+    plan.append(("output_norm.weight", (d,), 0.0))
+    if spec.arch == "llama":
+        plan.append(("output.weight", (spec.n_vocab, d), spec.out_gain * inv))
     return plan
 
 
@@ -171,7 +195,13 @@ def _add_metadata(writer: gguf.GGUFWriter, spec: ModelSpec, vocab: Vocab, seed: 
     writer.add_head_count_kv(spec.n_head_kv)
     writer.add_rope_dimension_count(spec.head_dim)
     writer.add_rope_freq_base(spec.rope_freq_base)
-    writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
+    if spec.arch == "cohere2":
+        writer.add_layer_norm_eps(spec.rms_norm_eps)
+        writer.add_sliding_window(spec.sliding_window)
+        writer.add_sliding_window_pattern(spec.swa_pattern)
+        writer.add_logit_scale(1.0)
+    else:
+        writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
 
     writer.add_tokenizer_model("llama")
     writer.add_token_list(list(vocab.tokens))
@@ -210,7 +240,7 @@ def make_model(spec: ModelSpec | str, path: Path, seed: int = 0) -> Path:
     tmp = Path(tmp_name)
     try:
         tmp.chmod(0o644)
-        writer = gguf.GGUFWriter(tmp, "llama")
+        writer = gguf.GGUFWriter(tmp, spec.arch)
         try:
             _add_metadata(writer, spec, vocab, seed)
             for name, shape, _ in plan:

@@ -133,6 +133,8 @@ class KvLayout:
     """The sequence state is one plain KV cache section that can be cut by position."""
     reason: str | None
     """Why it cannot be cut, when it cannot."""
+    prefix_reuse: bool = True
+    """The context can be cut back to a prefix of what it holds (recurrent and hybrid memories cannot)."""
 
     @property
     def v_trans(self) -> bool:
@@ -167,9 +169,10 @@ def kv_layout(llm: llama_cpp.Llama) -> KvLayout:
 
     reason = None
     rope_type = llama_cpp.llama_model_rope_type(model)
-    if llama_cpp.llama_model_is_recurrent(model):
+    recurrent, hybrid = llama_cpp.llama_model_is_recurrent(model), llama_cpp.llama_model_is_hybrid(model)
+    if recurrent:
         reason = "recurrent state is one fixed block per sequence"
-    elif llama_cpp.llama_model_is_hybrid(model):
+    elif hybrid:
         reason = "hybrid attention/recurrent memory"
     elif llama_cpp.llama_model_n_swa(model) > 0:
         reason = "sliding-window cache keeps only the window and writes a second section"
@@ -195,6 +198,7 @@ def kv_layout(llm: llama_cpp.Llama) -> KvLayout:
         attn_rot_v=not rot_disabled and type_v in GGML_BLOCKS and _is_quantized(type_v) and head_v % 64 == 0,
         cuttable=reason is None,
         reason=reason,
+        prefix_reuse=not (recurrent or hybrid),
     )
 
 

@@ -81,3 +81,11 @@ class PoolClient:
 @pytest.fixture
 def client(redis_url: str, tiny_model: Path) -> PoolClient:
     return PoolClient(redis.Redis.from_url(redis_url), tiny_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_swa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A generated ``cohere2`` model: interleaved sliding-window attention, a cache kvpool cannot cut."""
+    from worker.genmodel import ensure_model
+
+    return ensure_model("tiny-swa", tmp_path_factory.mktemp("models"))

@@ -150,6 +150,23 @@ def test_common_english_words_are_single_tokens(llm: llama_cpp.Llama) -> None:
 
 def test_changing_the_first_token_changes_the_final_logits(llm: llama_cpp.Llama) -> None:
     """The prefix must matter: otherwise KV-cache correctness tests would prove nothing."""
+    _assert_the_first_token_matters(llm)
+
+
+def test_tiny_swa_is_a_sliding_window_model_whose_prefix_matters(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """120-token prompts run far past its 32-token window: only its global layer sees the first token."""
+    from worker.llama_state import kv_layout
+
+    path = ensure_model("tiny-swa", tmp_path_factory.mktemp("models"))
+    swa = llama_cpp.Llama(str(path), n_ctx=512, n_threads=1, verbose=False)
+    assert swa.metadata["general.architecture"] == "cohere2"
+    assert llama_cpp.llama_model_n_swa(swa.model) == SIZES["tiny-swa"].sliding_window == 32
+    layout = kv_layout(swa)
+    assert not layout.cuttable and "sliding-window" in (layout.reason or "")
+    _assert_the_first_token_matters(swa)
+
+
+def _assert_the_first_token_matters(llm: llama_cpp.Llama) -> None:
     corpus = llm.tokenize(SAMPLE_TEXT.encode(), add_bos=False)
     rng = np.random.default_rng(0)
     n_prompts, flips, diffs = 8, 0, []

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 
 import boto3
+import llama_cpp
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -217,11 +219,41 @@ def test_worker_metrics(start_worker, client) -> None:
     prompt = client.tokens(prompt_text(8, 100))
     client.run(prompt, worker="w1")
     client.run(prompt, worker="w1")
-    import urllib.request
-
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels.get("le")}
     assert samples["kvpool_worker_prompt_tokens_total"] == 2 * len(prompt)
     assert samples["kvpool_worker_reused_tokens_total"] == len(prompt) - 1
     assert samples["kvpool_worker_restore_enabled"] == 1
     assert samples["kvpool_worker_generated_tokens_total"] > 0
+
+
+def test_a_model_whose_cache_cannot_be_cut_is_served_cold_and_right(start_worker, redis_url, tiny_swa_model) -> None:
+    """Sliding-window caches (here cohere2's) are never restored or published; the worker says so and stays right."""
+    from store.redis_server import free_port
+
+    port = free_port()
+    w1 = start_worker("w1", KVPOOL_MODEL=str(tiny_swa_model), KVPOOL_METRICS_PORT=str(port))
+    start_worker("w2", KVPOOL_MODEL=str(tiny_swa_model))
+    client = PoolClient(redis.Redis.from_url(redis_url), tiny_swa_model)
+    cold = llama_cpp.Llama(str(tiny_swa_model), n_ctx=2048, n_threads=1, verbose=False, flash_attn=False)
+    prefix = client.tokens(prompt_text(11, 120))
+    first_prompt = prefix + client.tokens(" what does the river say")
+    second_prompt = prefix + client.tokens(" and where is the harbor lantern")
+
+    first = client.run(first_prompt, worker="w1")
+    assert first.usage.cached_tokens == 0
+    assert first.tokens == cold_greedy(cold, first_prompt, 24)
+    same_worker = client.run(second_prompt, worker="w1")
+    assert same_worker.usage.cached_from_store == 0
+    assert same_worker.tokens == cold_greedy(cold, second_prompt, 24)
+    other_worker = client.run(second_prompt, worker="w2")
+    assert other_worker.usage.cached_tokens == 0
+    assert other_worker.tokens == same_worker.tokens
+
+    keys = namespace_for(client.settings, client.fingerprint, "").chain(first_prompt)
+    assert RedisIndex(client.conn).deepest(keys) == 0, "chunks of an uncuttable cache were published"
+    assert "restore.disabled" in w1.log() and "sliding-window" in w1.log()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {(s.name, s.labels.get("reason")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("kvpool_worker_restore_enabled", None)] == 0
+    assert samples[("kvpool_worker_cold_fallbacks_total", "restore_disabled")] == 2
