@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import AsyncIterator
 
+import anyio
 import httpx
 import openai
 import pytest
@@ -152,6 +154,43 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_job(start_worker, star
     result = job.return_value()
     assert result["finish_reason"] == "cancelled"
     assert result["usage"]["completion_tokens"] < 8000
+
+
+def test_a_stream_whose_client_left_closes_its_body_at_once() -> None:
+    """The body generator's ``finally`` (which cancels the job) must not wait for the garbage collector.
+
+    Under ASGI 2.4 (uvicorn) a send to a gone client raises; Starlette then stops iterating
+    the body but leaves the generator open and referenced, so only an explicit close runs
+    its ``finally`` before the event loop ends.
+    """
+    from starlette.requests import ClientDisconnect
+
+    from gateway.app import _ClosingStream
+
+    closed: list[bool] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            for i in range(1000):
+                yield f"data: {i}\n\n".encode()
+        finally:
+            closed.append(True)
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            raise OSError("the client has gone")
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def respond() -> list[bool]:
+        generator = body()
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", "path": "/", "headers": []}
+        with pytest.raises(ClientDisconnect):
+            await _ClosingStream(generator, media_type="text/event-stream")(scope, receive, send)
+        return list(closed)  # before the event loop ends, which would close every open generator
+
+    assert anyio.run(respond) == [True]
 
 
 def test_killing_the_only_worker_mid_stream_ends_the_stream_with_an_error(start_worker, start_gateway) -> None:
