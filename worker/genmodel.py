@@ -1,7 +1,8 @@
 """Deterministic random-weight GGUF models of the real ``llama`` architecture.
 
-(``tiny-swa`` is a ``cohere2`` model instead: its sliding-window cache is the kind kvpool
-cannot cut into chunks, so tests can check that such models are served cold.)
+(``tiny-swa`` is a ``cohere2`` model and ``tiny-ssm`` a ``mamba`` one instead: a
+sliding-window cache and a recurrent state are the kinds kvpool cannot cut into chunks,
+so tests can check that such models are served cold.)
 
 The files load in llama.cpp (and llama-cpp-python) like any converted Llama model,
 so workers exercise the real prefill/decode and KV-cache code paths without
@@ -82,20 +83,28 @@ class ModelSpec:
     block_out_gain: float = 1.0
     """Scales the attention and feed-forward output matrices; with a tied output matrix the
     residual stream must move well away from the input token's embedding, or the model echoes it."""
-    sliding_window: int = 0
-    """Above 0: a ``cohere2`` model with sliding-window layers, whose cache kvpool cannot cut."""
+    arch: str = "llama"
+    """``llama``; or, for testing what kvpool cannot cut, ``cohere2`` (sliding-window attention) or ``mamba`` (recurrent)."""
+    sliding_window: int = 32
+    """``cohere2``: tokens each sliding-window layer sees."""
     swa_pattern: int = 2
-    """With a sliding window: every ``swa_pattern``-th layer attends globally (Command R7B has 4, Gemma 2 has 2)."""
+    """``cohere2``: every ``swa_pattern``-th layer attends globally (Command R7B has 4, Gemma 2 has 2)."""
+    ssm_state: int = 16
+    """``mamba``: state size per channel (the inner size is twice ``n_embd``, as llama.cpp requires)."""
+    ssm_conv: int = 4
+    """``mamba``: convolution kernel width."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("f16", "f32"):
             raise ValueError(f"dtype must be 'f16' or 'f32', not {self.dtype!r}")
         if self.n_embd % self.n_head or self.n_head % self.n_head_kv:
             raise ValueError("n_embd must divide by n_head and n_head by n_head_kv")
+        if self.arch not in ("llama", "cohere2", "mamba"):
+            raise ValueError(f"arch must be 'llama', 'cohere2' or 'mamba', not {self.arch!r}")
 
     @property
-    def arch(self) -> str:
-        return "cohere2" if self.sliding_window else "llama"
+    def ssm_dt_rank(self) -> int:
+        return -(-self.n_embd // 16)
 
     @property
     def head_dim(self) -> int:
@@ -121,9 +130,17 @@ SIZES: dict[str, ModelSpec] = {
     ),
     "tiny-swa": ModelSpec(
         name="tiny-swa", n_vocab=2048, n_embd=256, n_layer=4, n_head=4, n_head_kv=2,
-        n_ff=512, n_ctx_train=4096, block_out_gain=8.0, sliding_window=32,
+        n_ff=512, n_ctx_train=4096, block_out_gain=8.0, arch="cohere2",
+    ),
+    "tiny-ssm": ModelSpec(
+        name="tiny-ssm", n_vocab=2048, n_embd=128, n_layer=2, n_head=4, n_head_kv=2,
+        n_ff=512, n_ctx_train=4096, dtype="f32", arch="mamba",
     ),
 }
+
+NEGATIVE_DECAY = -1.0
+"""A `_tensor_plan` std that marks Mamba's ``A``: decay rates spread log-uniformly over
+``-0.01 .. -0.0001``, never growth, so the state remembers the start of a long prompt."""
 
 
 def _tensor_plan(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], float]]:
@@ -132,6 +149,8 @@ def _tensor_plan(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], float]]:
     ``cohere2`` blocks run attention and feed-forward in parallel off one norm, and its
     output matrix is the token embedding.
     """
+    if spec.arch == "mamba":
+        return _mamba_plan(spec)
     d, kv, ff = spec.n_embd, spec.n_embd_kv, spec.n_ff
     inv = 1.0 / np.sqrt(d)
     plan: list[tuple[str, tuple[int, ...], float]] = [
@@ -158,6 +177,27 @@ def _tensor_plan(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], float]]:
     return plan
 
 
+def _mamba_plan(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], float]]:
+    """The tensors of llama.cpp's ``mamba`` architecture (``src/models/mamba.cpp``)."""
+    d, inner, state, rank = spec.n_embd, 2 * spec.n_embd, spec.ssm_state, spec.ssm_dt_rank
+    plan: list[tuple[str, tuple[int, ...], float]] = [("token_embd.weight", (spec.n_vocab, d), spec.embd_std)]
+    for i in range(spec.n_layer):
+        plan += [
+            (f"blk.{i}.attn_norm.weight", (d,), 0.0),
+            (f"blk.{i}.ssm_in.weight", (2 * inner, d), 1.0 / np.sqrt(d)),
+            (f"blk.{i}.ssm_conv1d.weight", (inner, spec.ssm_conv), 1.0 / np.sqrt(spec.ssm_conv)),
+            (f"blk.{i}.ssm_conv1d.bias", (inner,), 0.1),
+            (f"blk.{i}.ssm_x.weight", (rank + 2 * state, inner), 3.0 / np.sqrt(inner)),
+            (f"blk.{i}.ssm_dt.weight", (inner, rank), 1.0 / np.sqrt(rank)),
+            (f"blk.{i}.ssm_dt.bias", (inner,), 0.5),
+            (f"blk.{i}.ssm_a", (inner, state), NEGATIVE_DECAY),
+            (f"blk.{i}.ssm_d", (inner,), 0.0),
+            (f"blk.{i}.ssm_out.weight", (d, inner), spec.block_out_gain / np.sqrt(inner)),
+        ]
+    plan += [("output_norm.weight", (d,), 0.0), ("output.weight", (spec.n_vocab, d), spec.out_gain / np.sqrt(d))]
+    return plan
+
+
 def _tensor_dtype(spec: ModelSpec, shape: tuple[int, ...]) -> type[np.floating]:
     """llama.cpp keeps 1-D tensors (norms) in f32 even in f16 files."""
     return np.float16 if spec.dtype == "f16" and len(shape) > 1 else np.float32
@@ -175,6 +215,9 @@ def _make_tensor(seed: int, name: str, shape: tuple[int, ...], std: float, dtype
         flat[:] = 1.0
         return out
     rng = _rng(seed, name)
+    if std == NEGATIVE_DECAY:
+        flat[:] = -np.exp(rng.uniform(np.log(1e-4), np.log(1e-2), flat.size))
+        return out
     for start in range(0, flat.size, _CHUNK_ELEMENTS):
         chunk = rng.standard_normal(min(_CHUNK_ELEMENTS, flat.size - start), dtype=np.float32)
         chunk *= np.float32(std)
@@ -190,11 +233,19 @@ def _add_metadata(writer: gguf.GGUFWriter, spec: ModelSpec, vocab: Vocab, seed: 
     writer.add_context_length(spec.n_ctx_train)
     writer.add_embedding_length(spec.n_embd)
     writer.add_block_count(spec.n_layer)
-    writer.add_feed_forward_length(spec.n_ff)
-    writer.add_head_count(spec.n_head)
-    writer.add_head_count_kv(spec.n_head_kv)
-    writer.add_rope_dimension_count(spec.head_dim)
-    writer.add_rope_freq_base(spec.rope_freq_base)
+    if spec.arch == "mamba":
+        writer.add_feed_forward_length(0)
+        writer.add_head_count(0)
+        writer.add_ssm_conv_kernel(spec.ssm_conv)
+        writer.add_ssm_inner_size(2 * spec.n_embd)
+        writer.add_ssm_state_size(spec.ssm_state)
+        writer.add_ssm_time_step_rank(spec.ssm_dt_rank)
+    else:
+        writer.add_feed_forward_length(spec.n_ff)
+        writer.add_head_count(spec.n_head)
+        writer.add_head_count_kv(spec.n_head_kv)
+        writer.add_rope_dimension_count(spec.head_dim)
+        writer.add_rope_freq_base(spec.rope_freq_base)
     if spec.arch == "cohere2":
         writer.add_layer_norm_eps(spec.rms_norm_eps)
         writer.add_sliding_window(spec.sliding_window)

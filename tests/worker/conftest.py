@@ -84,8 +84,9 @@ def client(redis_url: str, tiny_model: Path) -> PoolClient:
 
 
 @pytest.fixture(scope="session")
-def tiny_swa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A generated ``cohere2`` model: interleaved sliding-window attention, a cache kvpool cannot cut."""
+def uncuttable_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Generated models whose state kvpool cannot cut: ``tiny-swa`` (cohere2, sliding window), ``tiny-ssm`` (mamba, recurrent)."""
     from worker.genmodel import ensure_model
 
-    return ensure_model("tiny-swa", tmp_path_factory.mktemp("models"))
+    folder = tmp_path_factory.mktemp("models")
+    return {size: ensure_model(size, folder) for size in ("tiny-swa", "tiny-ssm")}

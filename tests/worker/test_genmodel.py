@@ -166,6 +166,18 @@ def test_tiny_swa_is_a_sliding_window_model_whose_prefix_matters(tmp_path_factor
     _assert_the_first_token_matters(swa)
 
 
+def test_tiny_ssm_is_a_recurrent_model_whose_prefix_matters(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from worker.llama_state import kv_layout
+
+    path = ensure_model("tiny-ssm", tmp_path_factory.mktemp("models"))
+    ssm = llama_cpp.Llama(str(path), n_ctx=512, n_threads=1, verbose=False)
+    assert ssm.metadata["general.architecture"] == "mamba"
+    assert llama_cpp.llama_model_is_recurrent(ssm.model)
+    layout = kv_layout(ssm)
+    assert not layout.cuttable and not layout.prefix_reuse and "recurrent" in (layout.reason or "")
+    _assert_the_first_token_matters(ssm)
+
+
 def _assert_the_first_token_matters(llm: llama_cpp.Llama) -> None:
     corpus = llm.tokenize(SAMPLE_TEXT.encode(), add_bos=False)
     rng = np.random.default_rng(0)
