@@ -377,7 +377,8 @@ def join_state(payloads: Sequence[Buffer], *, v_trans: bool) -> bytearray:
         for part in parts:
             token_major = np.ndarray((len(part), n_embd), _UINT_OF_SIZE[el], part, v_at, (bpt, el))
             for t in range(0, len(part), block):
-                dim_major[:, t0 + t : t0 + t + min(block, len(part) - t)] = token_major[t : t + block].T
+                rows_t = token_major[t : t + block]
+                dim_major[:, t0 + t : t0 + t + len(rows_t)] = rows_t.T
             t0 += len(part)
         at += n_cells * lay.v_row_bytes
     assert at == len(out)
