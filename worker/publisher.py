@@ -18,7 +18,7 @@ from store.chain import Namespace
 from store.errors import StoreError
 from store.store import Store
 from worker import metrics
-from worker.kvchunks import StateFormatError, cut_state
+from worker.kvchunks import Buffer, StateFormatError, cut_state
 
 log = logging.getLogger("kvpool.worker.publish")
 
@@ -33,7 +33,7 @@ class Publisher:
         self._thread = threading.Thread(target=self._run, name="kvpool-publisher", daemon=True)
         self._thread.start()
 
-    def submit(self, ns: Namespace, tokens: Sequence[int], state: bytes) -> bool:
+    def submit(self, ns: Namespace, tokens: Sequence[int], state: Buffer) -> bool:
         """Queue the full chunks of ``tokens`` (whose cells ``state`` holds) for publishing; False if dropped."""
         try:
             self._tasks.put_nowait((ns, list(tokens), state))
@@ -73,7 +73,7 @@ class Publisher:
             finally:
                 self._tasks.task_done()
 
-    def _publish(self, ns: Namespace, tokens: list[int], state: bytes) -> None:
+    def _publish(self, ns: Namespace, tokens: list[int], state: Buffer) -> None:
         t0 = time.perf_counter()
         keys = ns.chain(tokens)
         present = self.store.index.present(keys)
