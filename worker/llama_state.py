@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
+import numpy as np
 
 from worker.kvchunks import (
     GGML_BLOCKS,
@@ -269,6 +270,51 @@ def restore_seq_state(
     if seq_id == 0:
         llm.input_ids[:n] = tokens
         llm.n_tokens = n
+
+
+def batch_sizes(n: int, n_batch: int) -> list[int]:
+    """How to cut ``n`` prompt tokens into decode batches of at most ``n_batch``: never a lone last token.
+
+    llama.cpp's CPU kernels for a one-token batch are not the ones it uses for larger
+    batches, and their results differ in the last bits (logits move by up to ~0.5 on a
+    trained model), while any batch of two or more tokens gives the same bits for every
+    token whatever the split. So a prompt whose last batch held a single token would
+    answer differently depending on how much was reused. Where the plain cut would leave
+    one token last, the batch before it gives up one token instead.
+    """
+    if n_batch < 3:
+        raise ValueError("n_batch must be at least 3")
+    sizes = [n_batch] * (n // n_batch) + ([n % n_batch] if n % n_batch else [])
+    if len(sizes) >= 2 and sizes[-1] == 1:
+        sizes[-2:] = [n_batch - 1, 2]
+    return sizes
+
+
+def evaluate_prompt(llm: llama_cpp.Llama, tokens: Sequence[int], start: int) -> None:
+    """Decode ``tokens[start:]`` after the ``start`` cells the context holds, in `batch_sizes` batches.
+
+    The context must hold ``tokens[:start]`` at positions ``0..start-1``; cells past
+    ``start`` are removed. Afterwards the logits of the last token are fresh, so
+    ``Llama.generate`` over the same tokens samples at once without decoding again.
+    """
+    if not 0 <= start < len(tokens):
+        raise ValueError(f"start {start} outside the prompt of {len(tokens)} tokens")
+    n_batch = min(llm.n_batch, int(llm.context_params.n_ubatch))
+    llm.n_tokens = start
+    pos = start
+    for size in batch_sizes(len(tokens) - start, n_batch):
+        llm.eval(tokens[pos : pos + size])
+        pos += size
+
+
+def last_logits(llm: llama_cpp.Llama) -> np.ndarray:
+    """A copy of the logits of the last decoded token (float32, one per vocabulary entry)."""
+    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
+
+
+def is_end_of_generation(llm: llama_cpp.Llama, token: int) -> bool:
+    return bool(llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(llm.model), token))
 
 
 def _check_blob(state: Buffer, n_tokens: int) -> None:

