@@ -36,7 +36,7 @@ from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant, Tenants
 from store.backend import open_backend
 from store.errors import StoreError
-from worker.advert import ADVERT_PREFIX, adverts
+from worker.advert import adverts, ais_live
 from worker.client import aevents
 from worker.protocol import DoneEvent, ErrorEvent, JobResult, StartEvent, TokenEvent, cancel_key
 
@@ -172,7 +172,7 @@ class Gateway:
                     if await request.is_disconnected():
                         metrics.CANCELLED.labels("client_gone").inc()
                         raise asyncio.CancelledError
-                    if worker is not None and not await self.aredis.exists(ADVERT_PREFIX + worker):
+                    if worker is not None and not await ais_live(self.aredis, worker):
                         if not await run_in_threadpool(adverts, self.redis):
                             raise WorkerFailed(f"worker {worker} died while answering and no other worker is alive", code="worker_lost")
                     if ev is None:

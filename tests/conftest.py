@@ -19,6 +19,7 @@ from store.s3 import S3Backend
 from store.settings import StoreSettings
 from store.store import Store
 from tests.services import S3_ACCESS_KEY, S3_SECRET_KEY, S3Server
+from worker.llama_state import evaluate_prompt
 from worker.spawn import WorkerProcess
 
 
@@ -152,6 +153,7 @@ def cold_llm(tiny_model: Path) -> llama_cpp.Llama:
 def cold_greedy(llm: llama_cpp.Llama, tokens: list[int], n: int) -> list[int]:
     """Greedy continuation of ``tokens`` evaluated from scratch, stopping at end-of-generation like the worker."""
     llm.reset()
+    evaluate_prompt(llm, tokens, 0)  # in the worker's batches, so the last one never holds a lone token
     out: list[int] = []
     for tok in llm.generate(tokens, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, reset=True):
         if llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok) or len(out) >= n:

@@ -1,22 +1,40 @@
 """Workers advertise what their context holds, so the gateway can route a request to the worker that already has its prefix.
 
-Each worker keeps one short-lived Redis key, ``kvpool:advert:<worker>``, holding the chain
-keys of the full chunks in its context (under the tenant that filled it) and whether it is
-busy. It is refreshed at every job start and end and at every idle heartbeat, and expires
-when the worker stops refreshing it, so the set of adverts is also the set of live workers.
+All adverts live in one Redis hash, ``kvpool:adverts``: field = worker name, value =
+JSON with the chain keys of the full chunks the worker's context holds (under the
+tenant that filled it), whether it is busy, its pid and host, and ``at``, the Redis
+server's clock when it was written. A worker rewrites its advert at every job start
+and end, every idle heartbeat and every few seconds while busy.
+
+An advert is *live* while ``at`` is less than `LIVE_S` old by the same Redis clock, so
+liveness never rests on a key that outlived its worker (a restarted Redis keeps its
+keys) nor on the clocks of the machines. Reading every live worker is one ``HGETALL``
+however large the chunk index in the same Redis grows; adverts dead for longer than
+`FORGET_S` are removed by whoever reads them.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis
+import redis.asyncio
 
-ADVERT_PREFIX = "kvpool:advert:"
-ADVERT_TTL_S = 15
+from worker.protocol import ADVERTS_KEY
+
+LIVE_S = 10.0
+"""An advert older than this is a worker that stopped: at least twice its longest refresh interval."""
+FORGET_S = 300.0
+
+_WRITE = """
+local t = redis.call('TIME')
+local doc = cjson.decode(ARGV[2])
+doc['at'] = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(doc))
+return 1
+"""
 
 
 @dataclass(frozen=True)
@@ -25,6 +43,8 @@ class Advert:
     keys: tuple[str, ...]
     busy: bool
     at: float
+    pid: int = 0
+    host: str = ""
 
     def depth(self, chain: Sequence[str]) -> int:
         """How many leading chunks of ``chain`` this worker's context holds."""
@@ -36,23 +56,52 @@ class Advert:
         return n
 
 
-def advertise(conn: redis.Redis, worker: str, keys: Sequence[bytes], busy: bool, ttl_s: int = ADVERT_TTL_S) -> None:
-    doc = {"keys": [k.hex() for k in keys], "busy": busy, "at": time.time()}
-    conn.set(ADVERT_PREFIX + worker, json.dumps(doc), ex=ttl_s)
+def advertise(conn: redis.Redis, worker: str, keys: Sequence[bytes], busy: bool, *, pid: int = 0, host: str = "") -> None:
+    doc = {"keys": [k.hex() for k in keys], "busy": busy, "pid": pid, "host": host}
+    conn.eval(_WRITE, 1, ADVERTS_KEY, worker, json.dumps(doc))
 
 
 def withdraw(conn: redis.Redis, worker: str) -> None:
-    conn.delete(ADVERT_PREFIX + worker)
+    conn.hdel(ADVERTS_KEY, worker)
 
 
 def adverts(conn: redis.Redis) -> list[Advert]:
-    names = sorted(conn.scan_iter(match=ADVERT_PREFIX + "*", count=1000))
-    if not names:
-        return []
-    out = []
-    for name, raw in zip(names, conn.mget(names)):
-        if raw is None:
-            continue
-        doc = json.loads(raw)
-        out.append(Advert(name.decode()[len(ADVERT_PREFIX) :], tuple(doc["keys"]), bool(doc["busy"]), float(doc["at"])))
+    """The live workers' adverts, by name."""
+    pipe = conn.pipeline(transaction=False)
+    pipe.time()
+    pipe.hgetall(ADVERTS_KEY)
+    (sec, usec), raw = pipe.execute()
+    now = sec + usec / 1e6
+    out, forget = [], []
+    for name, value in sorted(raw.items()):
+        doc = json.loads(value)
+        age = now - float(doc.get("at", 0))
+        if age > FORGET_S:
+            forget.append(name)
+        if age <= LIVE_S:
+            out.append(Advert(name.decode(), tuple(doc["keys"]), bool(doc["busy"]), float(doc["at"]), int(doc.get("pid", 0)), str(doc.get("host", ""))))
+    if forget:
+        conn.hdel(ADVERTS_KEY, *forget)
     return out
+
+
+def _fresh(raw: bytes | None, sec: int, usec: int) -> bool:
+    return raw is not None and sec + usec / 1e6 - float(json.loads(raw).get("at", 0)) <= LIVE_S
+
+
+def is_live(conn: redis.Redis, worker: str) -> bool:
+    """Whether ``worker`` has a live advert (one round trip, whatever the pool's size)."""
+    pipe = conn.pipeline(transaction=False)
+    pipe.time()
+    pipe.hget(ADVERTS_KEY, worker)
+    (sec, usec), raw = pipe.execute()
+    return _fresh(raw, sec, usec)
+
+
+async def ais_live(conn: redis.asyncio.Redis, worker: str) -> bool:
+    """`is_live` for asyncio."""
+    pipe = conn.pipeline(transaction=False)
+    pipe.time()
+    pipe.hget(ADVERTS_KEY, worker)
+    (sec, usec), raw = await pipe.execute()
+    return _fresh(raw, sec, usec)

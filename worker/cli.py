@@ -59,7 +59,7 @@ def worker_command(burst: bool) -> None:
     """
     from pydantic import ValidationError
 
-    from worker.process import run_worker
+    from worker.process import WorkerNameTaken, run_worker
     from worker.settings import WorkerSettings
 
     try:
@@ -68,5 +68,5 @@ def worker_command(burst: bool) -> None:
         raise click.ClickException(f"bad settings: {e}") from None
     try:
         run_worker(settings, burst=burst)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, WorkerNameTaken) as e:
         raise click.ClickException(str(e)) from None

@@ -10,14 +10,16 @@ Order of work for a job (`Engine.run`):
 4. Evaluate the rest, always at least the last two prompt tokens and never a one-token
    last batch (`worker.llama_state.batch_sizes`), then generate, streaming each token out.
 5. Once the first token is out, hand the prompt's full chunks the store lacks to the
-   background publisher.
+   background publisher. Once the answer is out (`Engine.settle`), evaluate the
+   completion as prompt and publish prompt plus completion: the next turn of a chat,
+   which resends the whole history, is then a hit for any worker.
 
 The answer does not depend on what was reused. For a given prompt, model and KV layout,
 the first sampled token's logits are the same bits whether the prefix came from this
 context, from the store or from a cold evaluation, and whatever the prompt's length:
 llama.cpp's CPU kernels give the same bits for any split into batches of two or more
 tokens. One-token batches use other kernels, so the cells of generated tokens are never
-reused or published: the next chat turn evaluates the previous answer as prompt. The
+reused or published as they are: `Engine.settle` evaluates them again first. The
 start-up self-check reports whether a layout keeps this promise (f16 with flash
 attention picks llama.cpp's tiled kernel by batch size, and does not).
 
@@ -118,7 +120,8 @@ class Engine:
         self.labels = {"model": Path(model_path).name, "layout": self.layout.canonical()}
         self.context_tenant: str | None = None
         self.exact_upto = 0
-        """Leading cells that hold exactly what a cold evaluation of their tokens would: the last prompt's."""
+        """Leading cells that hold exactly what a cold evaluation of their tokens would (never one-token decodes)."""
+        self._pending: tuple[Namespace, list[int], list[int]] | None = None
         self.restore_enabled = False
         self.exact = False
         if not self.kv.cuttable:
@@ -177,6 +180,7 @@ class Engine:
         self._publish(ns, tokens, plan)
         if spec.wait_for_publish and self.publisher is not None:
             self.publisher.wait_idle()
+        self._pending = (ns, tokens, out.tokens) if out.finish != "cancelled" else None
         t_first = out.t_first or time.perf_counter()
         t_end = time.perf_counter()
         metrics.GENERATED_TOKENS.labels(**self.labels).inc(len(out.tokens))
@@ -358,6 +362,31 @@ class Engine:
         metrics.RESTORE_BYTES.labels(**self.labels).inc(sum(len(p) for p in remote))
         plan.cached_context = min(local_chunks * c, _keepable(tokens))
         plan.cached_store = min(n_restore, _keepable(tokens)) - plan.cached_context
+
+    def settle(self) -> None:
+        """After the answer is out: evaluate the completion as prompt, so the next turn finds it exact anywhere.
+
+        Generated tokens were decoded one at a time, so their cells are not what a cold
+        evaluation of the next turn's prompt would hold. Decoding them again in prompt
+        batches costs a fraction of what the next turn would otherwise pay, and lets this
+        context and the store serve the whole conversation so far, to the exact token.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None or not self.settings.settle_completions or not self.kv.prefix_reuse:
+            return
+        ns, tokens, generated = pending
+        held = tokens + generated
+        if not generated or len(held) > self.settings.n_ctx:
+            return
+        try:
+            evaluate_prompt(self.llm, held, min(len(tokens), len(held) - 2))
+        except Exception:  # the answer is already out: never fail the job for this
+            log.exception("settle.failed")
+            self.forget_context()
+            return
+        self.exact_upto = len(held)
+        if len(held) // ns.chunk_size > len(tokens) // ns.chunk_size:
+            self._publish(ns, held, _Plan())
 
     # -- publishing -------------------------------------------------------------
 

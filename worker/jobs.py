@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import redis
@@ -42,12 +43,20 @@ class JobStream:
         self.cancel = cancel_key(job_id)
         self.ttl_s = ttl_s
 
-    def send(self, event: BaseModel) -> bool:
-        pipe = self.conn.pipeline(transaction=False)
-        pipe.xadd(self.key, {"e": event.model_dump_json(exclude_none=True)}, maxlen=STREAM_MAXLEN, approximate=True)
-        pipe.expire(self.key, self.ttl_s)
-        pipe.exists(self.cancel)
-        return not pipe.execute()[-1]
+    def send(self, event: BaseModel, outage_s: float = 10.0) -> bool:
+        """Append ``event``; rides out a Redis restart of up to ``outage_s`` seconds."""
+        deadline = time.monotonic() + outage_s
+        while True:
+            pipe = self.conn.pipeline(transaction=False)
+            pipe.xadd(self.key, {"e": event.model_dump_json(exclude_none=True)}, maxlen=STREAM_MAXLEN, approximate=True)
+            pipe.expire(self.key, self.ttl_s)
+            pipe.exists(self.cancel)
+            try:
+                return not pipe.execute()[-1]
+            except (redis.ConnectionError, redis.TimeoutError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
 
 def run_job(spec: dict) -> dict:
@@ -83,6 +92,7 @@ def run_job(spec: dict) -> dict:
         log.exception("job.failed", extra={"job": job.id, "retrying": retrying})
         raise
     stream.send(DoneEvent(result=result))
+    engine.settle()
     metrics.JOBS.labels(**labels, outcome=result.finish_reason).inc()
     log.info(
         "job.done",

@@ -8,6 +8,13 @@
   another worker (RQ's retries; `job_attempts` in all). Jobs left in the private queue
   of a dead worker are moved to the shared queue.
 * SIGTERM: RQ's warm shutdown -- the current job finishes, then the process exits.
+* A worker restarted after a crash starts at once under the same name: the registration
+  its dead predecessor left in Redis is recognised (same host, process gone, or no
+  heartbeat for `STALE_S`) and cleared. A live worker of the same name is refused,
+  before the model is loaded. ``worker.ready`` is logged only once the worker is
+  registered and can take jobs.
+* Redis going away (a restart, a failover) does not end the process: the worker waits
+  for it, registers again and goes on; the job it was running is retried by RQ.
 """
 
 from __future__ import annotations
@@ -16,37 +23,80 @@ import logging
 import os
 import socket
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import redis
-from rq import Queue, SimpleWorker
+from rq import Queue, SimpleWorker, worker_registration
 from rq.job import Job
 from rq.registry import StartedJobRegistry
+from rq.utils import now, utcparse
 from rq.worker import WorkerStatus
 
 from store.errors import StoreError
 from store.store import Store
-from worker import jobs
+from worker import jobs, metrics
 from worker.advert import advertise, adverts, withdraw
 from worker.engine import Engine
 from worker.protocol import WORKER_QUEUE_PREFIX, worker_queue
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("kvpool.worker")
+T = TypeVar("T")
+
+
+STALE_S = 30.0
+"""A registration whose last heartbeat is older than this belongs to a worker that is gone."""
+
+
+class WorkerNameTaken(RuntimeError):
+    """Another live worker is registered under this name."""
 
 
 class KvpoolWorker(SimpleWorker):
     heartbeat_s: float = 2.0
     engine: Engine | None = None
     busy: bool = False
+    stopping: bool = False
+
+    def request_stop(self, signum, frame):  # type: ignore[no-untyped-def]
+        self.stopping = True
+        super().request_stop(signum, frame)
 
     def advertise(self, busy: bool) -> None:
         if self.engine is None:
             return
         try:
-            advertise(self.connection, self.name, self.engine.held_keys(), busy)
+            advertise(self.connection, self.name, self.engine.held_keys(), busy, pid=os.getpid(), host=self.hostname or "")
         except redis.RedisError as e:
             log.warning("advert.failed", extra={"reason": str(e)})
+
+    def claim_name(self) -> None:
+        """Clear the registration a dead worker of this name left behind; refuse if that worker lives."""
+        info = self.connection.hgetall(self.key)
+        if not info or b"death" in info:
+            return
+        if not _registration_is_stale(info, self.hostname or "", STALE_S):
+            host, pid = info.get(b"hostname", b"?").decode(), info.get(b"pid", b"?").decode()
+            raise WorkerNameTaken(f"a live worker named {self.name!r} is registered (host {host}, pid {pid}); set another KVPOOL_WORKER_NAME")
+        with self.connection.pipeline() as pipe:
+            pipe.delete(self.key)
+            worker_registration.unregister(self, pipe)
+            pipe.execute()
+        log.warning("worker.stale_registration_cleared", extra={"worker": self.name, "pid": info.get(b"pid", b"").decode()})
+
+    def register_birth(self) -> None:
+        self.claim_name()
+        super().register_birth()
+        self.advertise(busy=False)
+        if self.engine is not None:
+            metrics.BUSY.labels(**self.engine.labels).set(0)
+            log.info(
+                "worker.ready",
+                extra={"worker": self.name, "model": self.engine.labels["model"], "layout": self.engine.labels["layout"], "restore": self.engine.restore_enabled},
+            )
 
     def heartbeat(self, timeout: int | None = None, pipeline=None):  # type: ignore[no-untyped-def]
         super().heartbeat(timeout, pipeline)
@@ -59,6 +109,8 @@ class KvpoolWorker(SimpleWorker):
     def execute_job(self, job: Job, queue: Queue) -> None:
         execution = self.prepare_execution(job)
         self.busy = True
+        if self.engine is not None:
+            metrics.BUSY.labels(**self.engine.labels).set(1)
         self.advertise(busy=True)
         done = threading.Event()
 
@@ -79,6 +131,8 @@ class KvpoolWorker(SimpleWorker):
             thread.join()
         self.set_state(WorkerStatus.IDLE)
         self.busy = False
+        if self.engine is not None:
+            metrics.BUSY.labels(**self.engine.labels).set(0)
         self.advertise(busy=False)
 
     def run_maintenance_tasks(self) -> None:
@@ -133,32 +187,80 @@ def open_store(settings: WorkerSettings) -> Store | None:
         return None
 
 
-def build_worker(settings: WorkerSettings, *, burst: bool = False) -> tuple[KvpoolWorker, Engine]:
+def _registration_is_stale(info: dict[bytes, bytes], hostname: str, stale_s: float) -> bool:
+    """Whether an RQ worker registration belongs to a process that is gone."""
+    pid = int(info.get(b"pid", b"0") or 0)
+    if info.get(b"hostname", b"").decode() == hostname and (pid == os.getpid() or not _pid_alive(pid)):
+        return True  # this host's process table is the authority; a pid equal to ours is a restarted container
+    beat = info.get(b"last_heartbeat")
+    if not beat:
+        return True
+    return (now() - utcparse(beat.decode())).total_seconds() > stale_s
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def build_worker(settings: WorkerSettings) -> KvpoolWorker:
+    """The RQ worker, its name claimed in Redis; the model is not loaded yet."""
     name = settings.worker_name or f"{socket.gethostname()}-{os.getpid()}"
-    conn = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=settings.connect_timeout_s)
-    engine = Engine(settings, resolve_model(settings), store=open_store(settings), name=name)
-    jobs.set_engine(engine)
+    conn = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=settings.connect_timeout_s, health_check_interval=10)
     queues = [Queue(worker_queue(name), connection=conn), Queue(settings.queue, connection=conn)]
     worker = KvpoolWorker(queues, connection=conn, name=name, worker_ttl=20, maintenance_interval=5, log_job_description=False)
     worker.heartbeat_s = settings.heartbeat_s
-    worker.engine = engine
-    return worker, engine
+    return worker
 
 
 def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
-    worker, engine = build_worker(settings, burst=burst)
+    worker = _wait_for_redis(lambda: build_worker(settings))
+    _wait_for_redis(worker.claim_name)
+    engine = Engine(settings, resolve_model(settings), store=open_store(settings), name=worker.name)
+    jobs.set_engine(engine)
     if settings.metrics_port is not None:
         from prometheus_client import start_http_server
 
         server, _ = start_http_server(settings.metrics_port)
         log.info("metrics.serving", extra={"port": server.server_port})
-    log.info(
-        "worker.ready",
-        extra={"worker": worker.name, "model": engine.labels["model"], "layout": engine.labels["layout"], "restore": engine.restore_enabled},
-    )
     try:
-        worker.work(burst=burst, with_scheduler=False, logging_level=logging.getLevelName(logging.getLogger().level))
+        while True:
+            worker.engine = engine
+            _wait_for_redis(lambda: worker.work(burst=burst, with_scheduler=False, logging_level=_log_level()))
+            if burst or worker.stopping:
+                break
+            log.warning("worker.restarting", extra={"worker": worker.name, "reason": "the RQ loop ended (Redis lost?)"})
+            worker = _wait_for_redis(lambda: build_worker(settings))
     finally:
-        withdraw(worker.connection, worker.name)
+        try:
+            withdraw(worker.connection, worker.name)
+        except redis.RedisError:
+            pass
         engine.close()
         jobs.set_engine(None)
+
+
+def _log_level() -> str:
+    return logging.getLevelName(logging.getLogger().level)
+
+
+def _wait_for_redis(call: Callable[[], T], max_wait_s: float = 2.0) -> T:
+    """Run ``call``, waiting for Redis (with backoff) while it is unreachable."""
+    wait = 0.25
+    while True:
+        try:
+            return call()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            log.warning("redis.unavailable", extra={"reason": str(e), "retry_s": wait})
+            time.sleep(wait)
+            wait = min(wait * 2, max_wait_s)

@@ -24,8 +24,9 @@ from pydantic import BaseModel, Field
 
 STREAM_PREFIX = "kvpool:stream:"
 CANCEL_PREFIX = "kvpool:cancel:"
-SHARED_QUEUE = "kvpool"
 WORKER_QUEUE_PREFIX = "kvpool:worker:"
+ADVERTS_KEY = "kvpool:adverts"
+"""Hash of worker name -> advert JSON (`worker.advert`)."""
 
 
 def stream_key(job_id: str) -> str:

@@ -23,6 +23,9 @@ class WorkerSettings(StoreSettings):
     heartbeat_s: float = Field(2.0, gt=0, description="How often a busy worker proves it is alive.")
     stream_ttl_s: int = Field(300, ge=1, description="How long a job's token stream is kept after its last event.")
     publish: bool = Field(True, description="Publish newly evaluated chunks to the store.")
+    settle_completions: bool = Field(
+        True, description="After each answer, evaluate the completion as prompt so the next chat turn is served from cache, exactly."
+    )
     publish_queue: int = Field(8, ge=1, description="Pending publish tasks before new ones are dropped.")
     self_check: bool = Field(True, description="Check at start-up that cut, rebuild and restore reproduce the cold logits.")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics on this port (0: any free port).")

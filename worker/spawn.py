@@ -10,7 +10,7 @@ import time
 import redis
 
 from store.redis_server import stop_process
-from worker.advert import adverts
+from worker.advert import Advert, adverts
 
 
 class WorkerProcess:
@@ -23,12 +23,15 @@ class WorkerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, conn: redis.Redis, timeout_s: float = 120.0) -> WorkerProcess:
-        """Start the process and wait until it advertises itself (model loaded, self-check done)."""
+        """Start the process and wait until *it* advertises itself (model loaded, self-check done, registered).
+
+        An advert left by an earlier process of the same name does not count: the pid must match.
+        """
         log = open(self.log_path, "ab")  # noqa: SIM115 -- handed to the child process
         kvpool = os.path.join(os.path.dirname(sys.executable), "kvpool")
         self.proc = subprocess.Popen([kvpool, "worker"], env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout_s
-        while not any(a.worker == self.name for a in adverts(conn)):
+        while not any(a.worker == self.name and a.pid == self.proc.pid for a in _adverts(conn)):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"worker {self.name} did not start; log: {self.log_path}\n{self.log()[-3000:]}")
             time.sleep(0.1)
@@ -46,3 +49,10 @@ class WorkerProcess:
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """Warm shutdown: the current job finishes first."""
         return stop_process(self.proc, timeout_s)
+
+
+def _adverts(conn: redis.Redis) -> list[Advert]:
+    try:
+        return adverts(conn)
+    except redis.ConnectionError:
+        return []

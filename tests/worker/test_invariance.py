@@ -67,6 +67,7 @@ class Runner:
             wait_for_publish=True,
         )
         result = self.engine.run(spec, emit)
+        self.engine.settle()  # as the worker does once the answer is out
         assert seen, "no token was generated"
         return Answer(seen[0], result.tokens, result.usage.cached_from_context, result.usage.cached_from_store)
 
@@ -139,15 +140,20 @@ def test_a_resent_prompt_is_answered_alike(runners: dict[str, Runner], document:
     assert np.array_equal(first.logits, again.logits) and first.tokens == again.tokens
 
 
-def test_the_next_turn_reuses_the_prompt_but_not_generated_cells(runners: dict[str, Runner], document: list[int]) -> None:
-    """Generated tokens were decoded one at a time; a prompt that contains them evaluates them as prompt."""
-    reuse = runners["reuse"]
+def test_the_next_turn_resumes_after_the_completion_with_the_same_bits(runners: dict[str, Runner], document: list[int]) -> None:
+    """Generated tokens were decoded one at a time; settled as prompt, they serve the next turn exactly."""
+    reuse, restore = runners["reuse"], runners["restore"]
     first = reuse.ask(document[:300])
     turn = document[:300] + first.tokens + document[300:340]
     nxt = reuse.ask(turn)
-    assert nxt.cached_context == 300
+    assert nxt.cached_context == 300 + len(first.tokens)
+    restore.engine.forget_context()
+    elsewhere = restore.ask(turn)
+    assert elsewhere.cached_store == (300 + len(first.tokens)) // CHUNK * CHUNK
     runners["cold"].engine.forget_context()
-    assert np.array_equal(nxt.logits, runners["cold"].ask(turn).logits)
+    cold = runners["cold"].ask(turn)
+    for answer in (nxt, elsewhere):
+        assert np.array_equal(answer.logits, cold.logits) and answer.tokens == cold.tokens
 
 
 @pytest.mark.parametrize(

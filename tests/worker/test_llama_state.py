@@ -2,7 +2,14 @@
 
 A restored prefix plus a cold evaluation of the rest must behave like a cold evaluation
 of the whole prompt: the same next token, logits within the cold path's own batching
-noise, and the same greedy continuation.
+noise, and the same greedy continuation wherever the cold run's choice is decisive.
+
+The tiny model has random weights, so its distributions are nearly flat, and noise of a
+few 1e-3 (another cell order, another batch split) may flip a later argmax on one CPU and
+not on another. The greedy continuation is therefore compared only up to the first step
+whose top-two margin in the cold run lies within a few times the measured noise. The
+same check on a trained model, where greedy answers are stable and logits are compared
+bit for bit, is ``test_invariance.py``.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ PROMPT = [1] + np.random.default_rng(11).integers(3, 2048, 199).tolist()
 PROMPT_LENS = [128, 150]  # a multiple of every chunk size, and not
 CONTINUATION = 32
 NOISE_FLOOR = 1e-3
+DECISIVE = 8
+"""A greedy step counts as decisive when its top-two margin exceeds this many times the first step's observed noise."""
 
 
 def _logits(llm: llama_cpp.Llama) -> np.ndarray:
@@ -39,12 +48,16 @@ def _logits(llm: llama_cpp.Llama) -> np.ndarray:
     return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).astype(np.float64)
 
 
-def _greedy(llm: llama_cpp.Llama, n: int) -> list[int]:
-    out = []
+def _greedy(llm: llama_cpp.Llama, n: int) -> tuple[list[int], list[float]]:
+    """The greedy continuation, and at each step the margin between the best two logits."""
+    out, margins = [], []
     for _ in range(n):
-        out.append(int(np.argmax(_logits(llm))))
+        logits = _logits(llm)
+        top2 = np.partition(logits, -2)[-2:]
+        margins.append(float(top2[1] - top2[0]))
+        out.append(int(np.argmax(logits)))
         llm.eval(out[-1:])
-    return out
+    return out, margins
 
 
 def _pos_range(llm: llama_cpp.Llama) -> tuple[int, int]:
@@ -56,6 +69,7 @@ def _pos_range(llm: llama_cpp.Llama) -> tuple[int, int]:
 class Cold:
     logits: np.ndarray
     continuation: list[int]
+    margins: list[float]
     state: bytes
     noise: float
 
@@ -88,7 +102,7 @@ class Models:
             logits = _logits(llm)
             noise = float(np.abs(logits - _logits(small)).max())
             state = read_seq_state(llm)
-            self._cold[key] = Cold(logits, _greedy(llm, CONTINUATION), state, noise)
+            self._cold[key] = Cold(logits, *_greedy(llm, CONTINUATION), state, noise)
             # The comparison has power: changing one early token moves the logits far past the bound.
             llm.reset()
             llm.eval([PROMPT[0], PROMPT[1] + 1] + PROMPT[2:n])
@@ -111,8 +125,11 @@ def _assert_matches_cold(llm: llama_cpp.Llama, cold: Cold, bound: float | None =
     logits = _logits(llm)
     diff = float(np.abs(logits - cold.logits).max())
     assert int(np.argmax(logits)) == int(np.argmax(cold.logits))
-    assert diff <= (cold.bound if bound is None else bound), f"max |dlogit| {diff:.4g}, noise {cold.noise:.4g}"
-    assert _greedy(llm, CONTINUATION) == cold.continuation
+    bound = cold.bound if bound is None else bound
+    assert diff <= bound, f"max |dlogit| {diff:.4g}, noise {cold.noise:.4g}"
+    noise = max(diff, NOISE_FLOOR)
+    decisive = next((i for i, m in enumerate(cold.margins) if m <= DECISIVE * noise), len(cold.margins))
+    assert _greedy(llm, CONTINUATION)[0][:decisive] == cold.continuation[:decisive], f"decisive steps: {decisive}"
     return diff
 
 

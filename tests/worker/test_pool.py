@@ -220,11 +220,20 @@ def test_worker_metrics(start_worker, client) -> None:
     prompt = client.tokens(prompt_text(8, 100))
     client.run(prompt, worker="w1")
     client.run(prompt, worker="w1")
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels.get("le")}
+
+    def scrape() -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels.get("le")}
+
+    deadline = time.monotonic() + 10
+    while (samples := scrape())["kvpool_worker_busy"] != 0:  # the job ends a moment after its answer
+        assert time.monotonic() < deadline, "the worker still reports itself busy"
+        time.sleep(0.05)
     assert samples["kvpool_worker_prompt_tokens_total"] == 2 * len(prompt)
-    assert samples["kvpool_worker_reused_tokens_total"] == len(prompt) - 1
+    assert samples["kvpool_worker_reused_tokens_total"] == len(prompt) - 2  # the last two are always evaluated
     assert samples["kvpool_worker_restore_enabled"] == 1
+    assert samples["kvpool_worker_exact_reuse"] == 1
+    assert samples["kvpool_worker_busy"] == 0
     assert samples["kvpool_worker_generated_tokens_total"] > 0
 
 
