@@ -1,0 +1,75 @@
+"""The worker process survives what real pools do to it: SIGKILL and restart, a name clash, Redis restarting."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from store.redis_server import RedisServer
+from tests.worker.conftest import PoolClient
+from tests.conftest import prompt_text
+from worker.advert import adverts
+from worker.spawn import WorkerProcess
+
+KVPOOL = str(Path(sys.executable).parent / "kvpool")
+
+
+def test_a_killed_worker_starts_again_at_once_under_its_name(start_worker, client: PoolClient) -> None:
+    w1 = start_worker("w1")
+    prompt = client.tokens(prompt_text(21, 60))
+    assert client.run(prompt, worker="w1").worker == "w1"
+    w1.kill()  # SIGKILL: its RQ registration and advert stay behind in Redis
+    again = start_worker("w1")
+    assert "stale_registration_cleared" in again.log()
+    assert client.run(prompt, worker="w1").worker == "w1"
+
+
+def test_a_worker_killed_mid_job_hands_the_job_on(start_worker, client: PoolClient) -> None:
+    w1 = start_worker("w1")
+    never_stop = {client.vocab.token_eos(): -100.0}
+    job = client.submit(client.spec(client.tokens(prompt_text(22, 40)), max_tokens=1500, logit_bias=never_stop), worker="w1")
+    deadline = time.monotonic() + 30
+    while not client.conn.xlen(f"kvpool:stream:{job}") > 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    w1.kill()
+    start_worker("w1")
+    out = client.collect(job, timeout_s=60)
+    assert out.result is not None and len(out.starts) == 2, out.error
+
+
+def test_a_second_live_worker_of_the_same_name_is_refused_before_loading_the_model(start_worker, pool_env, tmp_path: Path) -> None:
+    start_worker("w1")
+    env = {**os.environ, **pool_env, "KVPOOL_WORKER_NAME": "w1"}
+    done = subprocess.run([KVPOOL, "worker"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "a live worker named 'w1' is registered" in done.stderr
+    assert "worker.ready" not in done.stderr + done.stdout and "restore.selfcheck" not in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize("persist", [True, False], ids=["aof", "data-lost"])
+def test_a_worker_rides_out_a_redis_restart(pool_env, tiny_model, tmp_path: Path, persist: bool) -> None:
+    server = RedisServer(tmp_path / "redis", persist=persist).start()
+    conn = redis.Redis.from_url(server.url)
+    w = WorkerProcess("w1", {**pool_env, "KVPOOL_REDIS_URL": server.url}, tmp_path / "w1.log").start(conn)
+    try:
+        client = PoolClient(conn, tiny_model)
+        prompt = client.tokens(prompt_text(23, 50))
+        first = client.run(prompt)
+        server.stop()
+        server = RedisServer(tmp_path / "redis", port=server.port, persist=persist).start()
+        deadline = time.monotonic() + 15
+        while not any(a.worker == "w1" for a in adverts(conn)):  # it registers again by itself
+            assert w.proc is not None and w.proc.poll() is None, w.log()[-2000:]
+            assert time.monotonic() < deadline, w.log()[-2000:]
+            time.sleep(0.1)
+        assert client.run(prompt).tokens == first.tokens
+    finally:
+        w.stop()
+        server.stop()
