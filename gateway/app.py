@@ -7,11 +7,10 @@ event stream. Every failure is answered in OpenAI's error shape (`gateway.errors
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -24,25 +23,25 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from gateway import metrics
 from gateway.dispatch import Dispatcher
-from gateway.errors import APIError, InvalidRequest, Overloaded, PayloadTooLarge, Timeout, WorkerFailed
+from gateway.errors import APIError, InvalidRequest, Overloaded, WorkerFailed
+from gateway.middleware import BodyLimit, CountRequests
 from gateway.prepare import Prepared, Preparer
+from gateway.relay import RelayContext, relay
 from gateway.responses import StreamChunks, chat_body, completion_body
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant, Tenants
 from store.backend import open_backend
 from store.errors import StoreError
-from worker.advert import adverts, ais_live
-from worker.client import aevents
-from worker.protocol import DoneEvent, ErrorEvent, JobResult, StartEvent, TokenEvent, cancel_key
+from worker.advert import adverts
+from worker.protocol import JobResult, TokenEvent
 
 log = logging.getLogger("kvpool.gateway")
 
-WORKER_CHECK_S = 2.0
 
 
 class _ClosingStream(StreamingResponse):
@@ -59,48 +58,6 @@ class _ClosingStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-class _BodyLimit:
-    """Answers 413 for bodies over the limit, whether or not they announce their length."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await _send_error(send, PayloadTooLarge(f"request body of {int(declared)} bytes exceeds the limit of {self.max_bytes}"))
-            return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge
-            return message
-
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await _send_error(send, PayloadTooLarge(f"request body exceeds the limit of {self.max_bytes} bytes"))
-
-
-class _TooLarge(Exception):
-    pass
-
-
-async def _send_error(send: Send, e: APIError) -> None:
-    body = json.dumps(e.body()).encode()
-    await send({"type": "http.response.start", "status": e.status, "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": body})
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -134,7 +91,7 @@ class Gateway:
         job_id, route = await run_in_threadpool(self.dispatcher.dispatch, prepared.spec)
         metrics.TENANT_REQUESTS.labels(tenant.id).inc()
         log.info("request.routed", extra={"job": job_id, "tenant": tenant.id, "queue": route.queue, "reason": route.reason, "prompt_tokens": len(prepared.spec.tokens)})
-        events = self._relay(request, job_id, t0, endpoint)
+        events = relay(self._relay_context(request, prepared, job_id, t0, endpoint))
         model = self.preparer.model_name
         if stream:
             chunks = StreamChunks(job_id, model, prepared.chat, want_logprobs)
@@ -148,64 +105,16 @@ class Gateway:
                 return JSONResponse(build(job_id, model, ev, tokens, want_logprobs))
         raise WorkerFailed("the job ended without a result")
 
-    async def _relay(self, request: Request, job_id: str, t0: float, endpoint: str) -> AsyncIterator[TokenEvent | JobResult]:
-        """A job's token events (for the current attempt), then its `JobResult`; raises an `APIError` on failure.
+    def _relay_context(self, request: Request, prepared: Prepared, job_id: str, t0: float, endpoint: str) -> RelayContext:
+        async def any_worker_alive() -> bool:
+            return bool(await run_in_threadpool(adverts, self.redis))
 
-        Watches the deadline, the client (gone: cancel the job) and the worker running it
-        (gone with no other worker alive: fail instead of waiting forever).
-        """
-        deadline = t0 + self.settings.request_timeout_s
-        worker: str | None = None
-        emitted = 0
-        attempt_tokens = 0
-        next_check = time.monotonic() + WORKER_CHECK_S
-        first = True
-        finished = False
-        try:
-            async for ev in aevents(self.aredis, job_id):
-                now = time.perf_counter()
-                if now > deadline:
-                    metrics.CANCELLED.labels("timeout").inc()
-                    raise Timeout(f"no answer within {self.settings.request_timeout_s:.0f} s; the job was cancelled", code="timeout")
-                if ev is None or time.monotonic() > next_check:
-                    next_check = time.monotonic() + WORKER_CHECK_S
-                    if await request.is_disconnected():
-                        metrics.CANCELLED.labels("client_gone").inc()
-                        raise asyncio.CancelledError
-                    if worker is not None and not await ais_live(self.aredis, worker):
-                        if not await run_in_threadpool(adverts, self.redis):
-                            raise WorkerFailed(f"worker {worker} died while answering and no other worker is alive", code="worker_lost")
-                    if ev is None:
-                        continue
-                if isinstance(ev, StartEvent):
-                    worker = ev.worker
-                    attempt_tokens = 0
-                elif isinstance(ev, TokenEvent):
-                    attempt_tokens += 1
-                    if attempt_tokens <= emitted:
-                        continue  # a retried attempt replays tokens the client already has
-                    emitted += 1
-                    if first:
-                        first = False
-                        metrics.FIRST_TOKEN.labels(endpoint).observe(now - t0)
-                    yield ev
-                elif isinstance(ev, ErrorEvent):
-                    if not ev.retrying:
-                        raise WorkerFailed(f"the worker failed: {ev.error}", code="worker_error")
-                elif isinstance(ev, DoneEvent):
-                    r = ev.result
-                    metrics.PROMPT_TOKENS.inc(r.usage.prompt_tokens)
-                    metrics.CACHED_TOKENS.labels("context").inc(r.usage.cached_from_context)
-                    metrics.CACHED_TOKENS.labels("store").inc(r.usage.cached_from_store)
-                    metrics.COMPLETION_TOKENS.inc(r.usage.completion_tokens)
-                    metrics.LATENCY.labels(endpoint).observe(time.perf_counter() - t0)
-                    finished = True
-                    yield r
-                    return
-        finally:
-            if not finished:
-                with anyio.CancelScope(shield=True):
-                    await self.aredis.set(cancel_key(job_id), 1, ex=600)
+        async def resubmit() -> None:
+            await run_in_threadpool(self.dispatcher.requeue, prepared.spec, job_id)
+
+        return RelayContext(
+            request, self.aredis, job_id, t0, self.settings.request_timeout_s, endpoint, any_worker_alive, resubmit, self.dispatcher.job_time.observe
+        )
 
     async def _sse(self, events: AsyncGenerator[TokenEvent | JobResult, None], chunks: StreamChunks, include_usage: bool, job_id: str) -> AsyncIterator[bytes]:
         def data(obj: Any) -> bytes:
@@ -225,6 +134,9 @@ class Gateway:
         except APIError as e:
             log.warning("stream.failed", extra={"job": job_id, "status": e.status, "reason": e.message})
             yield data(e.body())
+        except redis.RedisError as e:
+            log.error("stream.failed", extra={"job": job_id, "reason": f"{type(e).__name__}: {e}"})
+            yield data(Overloaded(f"the job queue (Redis) was lost mid-stream: {type(e).__name__}", code="queue_unavailable").body())
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()
@@ -284,12 +196,6 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
         log.exception("request.failed")
         return _error_response(APIError(f"internal error: {type(e).__name__}"))
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        response = await call_next(request)
-        metrics.REQUESTS.labels(request.url.path, str(response.status_code)).inc()
-        return response
-
     async def tenant_of(request: Request) -> Tenant:
         return gw.tenants.resolve(request.headers.get("authorization"))
 
@@ -326,5 +232,6 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
     async def metrics_endpoint() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(CountRequests)
     return app

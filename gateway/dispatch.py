@@ -5,10 +5,18 @@ A request goes to the private queue of the worker holding the deepest part of it
 when that worker is free (not busy, its queue within ``route_max_queue``); otherwise to
 the shared queue, where any idle worker takes it and restores the prefix from the store.
 Every decision is counted with its reason.
+
+Admission is atomic within a gateway: the capacity check and the enqueue happen under
+one lock, so a burst cannot overshoot ``max_waiting_jobs`` (with several gateways, by at
+most one request each). A request is also refused, with 503 and Retry-After, when the
+queue ahead of it would not let it start and finish within its deadline, judged by the
+mean time of recent jobs: better an honest "retry later" than an accepted request that
+rots in the queue.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import redis
@@ -41,10 +49,30 @@ def choose(ads: list[Advert], chain: list[str], queue_lengths: dict[str, int], s
     return Route(worker_queue(best.worker), "locality", best.worker, depth)
 
 
+class JobTime:
+    """Exponentially weighted mean of recent jobs' durations, seconds (None until one was seen)."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight
+        self.mean: float | None = None
+
+    def observe(self, seconds: float) -> None:
+        self.mean = seconds if self.mean is None else (1 - self.weight) * self.mean + self.weight * seconds
+
+
+def expected_finish_s(waiting: int, workers: int, mean_job_s: float | None) -> float | None:
+    """When a request enqueued now would be answered: the jobs ahead shared among the workers, then its own."""
+    if mean_job_s is None or workers <= 0:
+        return None
+    return (waiting / workers + 1) * mean_job_s
+
+
 class Dispatcher:
     def __init__(self, conn: redis.Redis, settings: GatewaySettings) -> None:
         self.conn = conn
         self.settings = settings
+        self.job_time = JobTime()
+        self._admit = threading.Lock()
 
     def _lengths(self, names: list[str]) -> dict[str, int]:
         pipe = self.conn.pipeline(transaction=False)
@@ -55,7 +83,15 @@ class Dispatcher:
         return {**dict(zip(names, per_worker)), "": shared}
 
     def dispatch(self, spec: JobSpec, *, depends_on: str | None = None, job_id: str | None = None) -> tuple[str, Route]:
-        """Check capacity, route and enqueue; returns the job id and the route taken."""
+        """Check capacity, route and enqueue, atomically within this gateway; returns the job id and the route taken."""
+        with self._admit:
+            return self._dispatch(spec, depends_on, job_id)
+
+    def requeue(self, spec: JobSpec, job_id: str) -> None:
+        """Submit an admitted job again (Redis lost it) to the shared queue, without a new admission check."""
+        submit(self.conn, spec, queue=self.settings.queue, attempts=self.settings.job_attempts, timeout_s=self.settings.job_timeout_s, job_id=job_id)
+
+    def _dispatch(self, spec: JobSpec, depends_on: str | None, job_id: str | None) -> tuple[str, Route]:
         ads = adverts(self.conn)
         if not ads:
             metrics.REJECTED.labels("no_worker").inc()
@@ -69,6 +105,15 @@ class Dispatcher:
                 f"{waiting} jobs are already waiting (limit {self.settings.max_waiting_jobs}); retry shortly",
                 code="queue_full",
                 headers={"Retry-After": "2"},
+            )
+        finish = expected_finish_s(waiting, len(ads), self.job_time.mean)
+        if depends_on is None and finish is not None and finish > self.settings.request_timeout_s:
+            metrics.REJECTED.labels("deadline").inc()
+            raise Overloaded(
+                f"{waiting} jobs are waiting for {len(ads)} worker(s); this request would not be answered within "
+                f"{self.settings.request_timeout_s:.0f} s (about {finish:.0f} s); retry later",
+                code="queue_full",
+                headers={"Retry-After": str(max(1, min(60, int(finish - self.settings.request_timeout_s))))},
             )
         route = choose(ads, spec.chain, lengths, self.settings.queue, self.settings.route_max_queue)
         if depends_on is not None:

@@ -1,4 +1,10 @@
-"""OpenAI request bodies, as pydantic models: what the gateway accepts and how it checks it."""
+"""OpenAI request bodies, as pydantic models: what the gateway accepts and how it checks it.
+
+Validation is strict, as OpenAI's is: ``"stream": "yes"`` or ``"max_tokens": "5"`` are
+wrong types, not values to coerce. Text must be valid Unicode: JSON can carry a lone
+UTF-16 surrogate (``"\\ud800"``), which no tokenizer can encode, so it is refused with
+the field it was found in.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +16,35 @@ Stop = Annotated[str | list[str] | None, Field(None)]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string under ``value`` that holds a lone surrogate, if any."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if (found := _lone_surrogate(item, f"{path}.{key}" if path else str(key))) is not None:
+            return found
+    return None
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if (where := _lone_surrogate(data, "")) is not None:
+            raise ValueError(f"{where} holds a lone UTF-16 surrogate, which is not valid Unicode text")
+        return data
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -92,12 +122,14 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -73,10 +74,19 @@ def events(conn: redis.Redis, job_id: str, *, timeout_s: float = 600.0, block_ms
 
 async def aevents(conn: redis.asyncio.Redis, job_id: str, *, block_ms: int = 1000) -> AsyncIterator[Event | None]:
     """Like `events`, for asyncio: yields ``None`` each time ``block_ms`` passes without an event, so the caller
-    can check its deadline, its client and the worker's health; ends after a final event."""
+    can check its deadline, its client and the worker's health; ends after a final event.
+
+    A Redis that restarts does not end the stream: reading resumes after the last entry
+    seen (``None`` is yielded meanwhile, so the caller's deadline still holds).
+    """
     key, last = stream_key(job_id), "0"
     while True:
-        batch = await conn.xread({key: last}, count=256, block=block_ms)
+        try:
+            batch = await conn.xread({key: last}, count=256, block=block_ms)
+        except (redis.ConnectionError, redis.TimeoutError):
+            await asyncio.sleep(0.2)
+            yield None
+            continue
         if not batch:
             yield None
             continue
@@ -86,6 +96,10 @@ async def aevents(conn: redis.asyncio.Redis, job_id: str, *, block_ms: int = 100
             yield event
             if _final(event):
                 return
+
+
+def job_exists(conn: redis.Redis, job_id: str) -> bool:
+    return bool(conn.exists(Job.key_for(job_id)))
 
 
 def cancel(conn: redis.Redis, job_id: str, ttl_s: int = 600) -> None:

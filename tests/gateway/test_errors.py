@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import anyio
 import httpx
@@ -54,6 +54,10 @@ BAD = [
     ("temperature 7", {"model": MODEL, "prompt": "hi", "temperature": 7}, 400, ["temperature"]),
     ("prompt plus max_tokens over the context", {"model": MODEL, "prompt": "hi there", "max_tokens": 5000}, 400, ["2048", "5000"]),
     ("body is a list", [1, 2], 400, []),
+    ("lone surrogate in the prompt", b'{"model": "%s", "prompt": "hi \\ud800 there"}' % MODEL.encode(), 400, ["prompt", "surrogate"]),
+    ("stream is text", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, ["stream"]),
+    ("max_tokens is a numeric string", {"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, ["max_tokens"]),
+    ("include_usage is a number", {"model": MODEL, "prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}}, 400, ["include_usage"]),
 ]
 
 
@@ -74,6 +78,11 @@ def test_bad_chat_requests(one_worker) -> None:
     assert_openai_error(httpx.post(url, json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}), 400, "role")
     assert_openai_error(httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": 3}]}), 400)
     assert_openai_error(httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}), 400, "tools")
+    surrogate = b'{"model": "%s", "messages": [{"role": "user", "content": "a \\udfff b"}]}' % MODEL.encode()
+    r = httpx.post(url, content=surrogate, headers={"content-type": "application/json"})
+    assert_openai_error(r, 400, "messages.0.content", "surrogate")
+    parts = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]}
+    assert_openai_error(httpx.post(url, content=json.dumps(parts), headers={"content-type": "application/json"}), 400, "surrogate")
     long = {"model": MODEL, "messages": [{"role": "user", "content": prompt_text(1, 3000)}]}
     assert_openai_error(httpx.post(url, json=long), 400, "2048")
 
@@ -82,6 +91,16 @@ def test_oversized_body_is_413(start_worker, start_gateway) -> None:
     start_worker("w1")
     gw = start_gateway(KVPOOL_MAX_BODY_BYTES="4096")
     r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 10_000})
+    assert_openai_error(r, 413, "4096")
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: the limit must hold as the body arrives
+        yield b'{"model": "%s", "prompt": "' % MODEL.encode()
+        for _ in range(5 * 1024):
+            yield b"x" * 1024
+        yield b'"}'
+
+    r = httpx.post(gw.url + "/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+    assert "content-length" not in r.request.headers
     assert_openai_error(r, 413, "4096")
 
 
@@ -154,6 +173,19 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_job(start_worker, star
     result = job.return_value()
     assert result["finish_reason"] == "cancelled"
     assert result["usage"]["completion_tokens"] < 8000
+
+
+def test_a_client_that_leaves_a_plain_request_cancels_its_job(start_worker, start_gateway, redis_url) -> None:
+    """No stream: the gateway still sees the connection close and stops the worker within a few seconds."""
+    w = start_worker("w1", KVPOOL_N_CTX="8192")
+    gw = start_gateway(KVPOOL_N_CTX="8192")
+    body = {"model": MODEL, "prompt": "go", **LONG, "max_tokens": 8000}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gw.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=2))
+    deadline = time.monotonic() + 20
+    while "finish_reason=cancelled" not in w.log():
+        assert time.monotonic() < deadline, "the job went on after its client left"
+        time.sleep(0.2)
 
 
 def test_a_stream_whose_client_left_closes_its_body_at_once() -> None:
