@@ -16,6 +16,12 @@ if TYPE_CHECKING:
     from store.settings import StoreSettings
 
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
+_NO_BUCKET = "NoSuchBucket"
+"""A bucket that vanished (an S3 that came back empty) is data lost, not an outage: its blobs read as missing."""
+
+
+def _code(e: ClientError) -> str:
+    return str(e.response.get("Error", {}).get("Code", ""))
 
 
 def s3_client(settings: StoreSettings) -> Any:
@@ -50,6 +56,7 @@ class S3Backend:
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.endpoint = f"{client.meta.endpoint_url}/{bucket}/{self.prefix}"
+        self.create_bucket = create_bucket
         if create_bucket:
             self._ensure_bucket()
 
@@ -68,14 +75,14 @@ class S3Backend:
             self.client.head_bucket(Bucket=self.bucket)
             return
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") not in _MISSING_CODES | {"NoSuchBucket"}:
+            if _code(e) not in _MISSING_CODES | {_NO_BUCKET}:
                 raise self._unavailable(e) from e
         except BotoCoreError as e:
             raise self._unavailable(e) from e
         try:
             self.client.create_bucket(Bucket=self.bucket)
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") not in {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}:
+            if _code(e) not in {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}:
                 raise self._unavailable(e) from e
         except BotoCoreError as e:
             raise self._unavailable(e) from e
@@ -84,24 +91,31 @@ class S3Backend:
         try:
             return self.client.get_object(Bucket=self.bucket, Key=self.prefix + name)["Body"].read()
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in _MISSING_CODES:
+            if _code(e) in _MISSING_CODES | {_NO_BUCKET}:
                 raise BlobMissing(name) from None
             raise self._unavailable(e) from e
         except BotoCoreError as e:
             raise self._unavailable(e) from e
 
     def put(self, name: str, data: bytes) -> None:
-        try:
-            self.client.put_object(Bucket=self.bucket, Key=self.prefix + name, Body=data)
-        except (ClientError, BotoCoreError) as e:
-            raise self._unavailable(e) from e
+        """Write a blob; a bucket that vanished is created again first, where the settings allow it."""
+        for attempt in (1, 2):
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=self.prefix + name, Body=data)
+                return
+            except ClientError as e:
+                if _code(e) != _NO_BUCKET or not self.create_bucket or attempt == 2:
+                    raise self._unavailable(e) from e
+            except BotoCoreError as e:
+                raise self._unavailable(e) from e
+            self._ensure_bucket()
 
     def exists(self, name: str) -> bool:
         try:
             self.client.head_object(Bucket=self.bucket, Key=self.prefix + name)
             return True
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in _MISSING_CODES:
+            if _code(e) in _MISSING_CODES | {_NO_BUCKET}:
                 return False
             raise self._unavailable(e) from e
         except BotoCoreError as e:
@@ -110,7 +124,10 @@ class S3Backend:
     def delete(self, name: str) -> None:
         try:
             self.client.delete_object(Bucket=self.bucket, Key=self.prefix + name)
-        except (ClientError, BotoCoreError) as e:
+        except ClientError as e:
+            if _code(e) != _NO_BUCKET:
+                raise self._unavailable(e) from e
+        except BotoCoreError as e:
             raise self._unavailable(e) from e
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
@@ -119,5 +136,8 @@ class S3Backend:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
                 for obj in page.get("Contents", []):
                     yield ObjectInfo(obj["Key"][len(self.prefix) :], obj["Size"], obj["LastModified"].timestamp())
-        except (ClientError, BotoCoreError) as e:
+        except ClientError as e:
+            if _code(e) != _NO_BUCKET:
+                raise self._unavailable(e) from e
+        except BotoCoreError as e:
             raise self._unavailable(e) from e

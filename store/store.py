@@ -89,8 +89,9 @@ class Store:
         """Verified payloads of chunks ``start..stop-1``, fetched in parallel.
 
         Returns the longest good run from ``start``: a chunk that is missing, corrupt,
-        foreign or unreachable ends the run (and is dropped from the index when it is
-        missing or bad), so the caller evaluates from there on. Never raises for a
+        foreign or unreachable ends the run, so the caller evaluates from there on. A
+        missing chunk is dropped from the index with every deeper one asked for (the
+        backend lost them); a bad one is quarantined. Never raises for a
         single bad chunk.
         """
         if not 0 <= start <= stop <= len(keys):
@@ -105,9 +106,11 @@ class Store:
                 try:
                     data = fut.result()
                 except BlobMissing:
-                    metrics.STALE.inc()
-                    log.warning("chunk.missing", extra={"chunk": keys[i].hex(), "index": i})
-                    self._drop_quietly([keys[i]])
+                    # The backend lost data (an S3 that came back empty): the deeper entries of this
+                    # chain are stale too, and dropping them lets the next publish store them again.
+                    metrics.STALE.inc(stop - i)
+                    log.warning("chunk.missing", extra={"chunk": keys[i].hex(), "index": i, "dropped": stop - i})
+                    self._drop_quietly(list(keys[i:stop]))
                     break
                 except StoreUnavailable as e:
                     metrics.UNAVAILABLE.labels("backend").inc()

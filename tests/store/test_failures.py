@@ -90,3 +90,16 @@ def test_store_lookup_with_redis_down_raises_store_unavailable(tmp_path: Path) -
         store.lookup(NS, KEYS)
     with pytest.raises(StoreUnavailable):
         store.publish(NS, TOKENS, KEYS, {0: b"x"})
+
+
+def test_an_s3_that_comes_back_empty_is_data_lost_not_an_outage(own_s3: S3Server, redis_url: str) -> None:
+    """The bucket is gone: stale index entries are dropped on first touch, and the next publish recreates the bucket."""
+    store = open_s3_store(own_s3, redis_url)
+    store.publish(NS, TOKENS, KEYS, {i: b"payload" for i in range(len(KEYS))})
+    own_s3.stop()
+    own_s3.start()  # the same endpoint again, with no buckets: moto keeps nothing
+    assert store.lookup(NS, KEYS) == len(KEYS)
+    assert store.fetch(NS, TOKENS, KEYS, 0, len(KEYS)) == []
+    assert store.lookup(NS, KEYS) == 0, "every entry of the chain from the missing chunk on is dropped"
+    assert store.publish(NS, TOKENS, KEYS, {i: b"payload" for i in range(len(KEYS))}) == len(KEYS)
+    assert [bytes(p) for p in store.fetch(NS, TOKENS, KEYS, 0, len(KEYS))] == [b"payload"] * len(KEYS)
