@@ -45,9 +45,16 @@ class GatewayProcess:
         return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> GatewayProcess:
+        return self.spawn().wait_ready(timeout_s)
+
+    def spawn(self) -> GatewayProcess:
         kvpool = os.path.join(os.path.dirname(sys.executable), "kvpool")
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([kvpool, "gateway"], env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 60.0) -> GatewayProcess:
+        assert self.proc is not None, "spawn() first"
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -66,11 +73,19 @@ class GatewayProcess:
         stop_process(self.proc, timeout_s)
 
 
-def default_workers() -> tuple[int, int]:
-    """Workers and threads per worker that the cores allow: two threads each, at least one worker."""
-    cores = os.cpu_count() or 1
-    workers = max(1, cores // 2)
-    return workers, max(1, cores // workers)
+def default_workers(cores: int | None = None) -> tuple[int, int]:
+    """Workers and threads per worker for this machine: every core busy, no core shared.
+
+    A small machine gets one worker with every core (lowest latency for one user); from 4
+    cores on, workers of 2 threads (more requests at once); from 16 on, workers of 4 threads,
+    where llama.cpp's prompt evaluation still scales and a pool of dozens of model copies
+    would spend memory for little. Each worker's prompt and generation threads are equal.
+    """
+    cores = cores or os.cpu_count() or 1
+    if cores < 4:
+        return 1, cores
+    threads = 2 if cores < 16 else 4
+    return cores // threads, threads
 
 
 class LocalPool:
@@ -100,13 +115,16 @@ class LocalPool:
         self.say(f"model    {model}")
         self.say(f"store    {self.settings.resolved_store_url()}")
         conn = redis.Redis.from_url(redis_url)
-        for i in range(self.n_workers):
+        threads = {"KVPOOL_N_THREADS": str(self.threads), "KVPOOL_N_THREADS_BATCH": str(self.threads)}
+        for i in range(self.n_workers):  # all start at once; each is waited for below
             name = f"worker-{i + 1}"
-            w = WorkerProcess(name, {**env, "KVPOOL_N_THREADS": str(self.threads)}, self.logs / f"{name}.log")
-            self.workers.append(w.start(conn))
-            self.say(f"{name} ready ({self.threads} threads, log {w.log_path})")
+            self.workers.append(WorkerProcess(name, {**env, **threads}, self.logs / f"{name}.log").spawn())
         port = self.settings.port or free_port()
-        self.gateway = GatewayProcess(env, port, self.logs / "gateway.log").start()
+        self.gateway = GatewayProcess(env, port, self.logs / "gateway.log").spawn()
+        for w in self.workers:
+            w.wait_ready(conn)
+            self.say(f"{w.name} ready ({self.threads} threads, log {w.log_path})")
+        self.gateway.wait_ready()
         self.say(f"gateway  {self.gateway.url} ready")
         return self.gateway
 
@@ -142,11 +160,29 @@ Ctrl-C stops everything.
 """
 
 
+DEMO_HANDBOOK = """You are the assistant of the Harbor Lantern Cafe. Answer in one or two friendly sentences, using only this handbook.
+
+Opening hours: Monday to Friday 7 am to 6 pm; Saturday 8 am to 8 pm; Sunday 9 am to 3 pm. Closed on public holidays.
+Location: 12 Quay Street, next to the old lighthouse. Parking is free after 5 pm on weekdays and all day on Sundays.
+Coffee: espresso, cappuccino, flat white and filter coffee, all from beans roasted in the town. Oat, soy and almond milk cost nothing extra.
+Food: breakfast until 11 am (porridge, eggs on toast, pancakes with berries). Lunch from 11:30 am: soup of the day, a fish sandwich, a lentil salad and a vegetable curry.
+Vegan options: the lentil salad, the vegetable curry and the banana bread are vegan. Every dish can be made without nuts on request.
+Children: high chairs are available, and children under six eat pancakes for free on Saturdays.
+Dogs: dogs are welcome on the terrace, and water bowls stand by the door.
+Groups: tables for more than eight people must be booked a day ahead by phone.
+Payment: cards and cash; no cheques. Tips are shared by the whole team.
+Wi-Fi: the network is LanternGuest, and the password is printed on every receipt.
+Events: live folk music every Friday from 7 pm, and a book swap on the first Sunday of each month.
+Loyalty card: the tenth coffee is free. Cards never expire.
+Allergies: ask the staff; the kitchen keeps a list of every ingredient of every dish.
+"""
+DEMO_QUESTIONS = ("Where is the cafe?", "Are dogs welcome?")
+
+
 def demo_requests(url: str, model: str, say: Say) -> None:
     """Two chat requests sharing a long system prompt: the second is answered mostly from cache."""
-    system = " ".join(f"Rule {i}: answer briefly, cite the handbook section {i}, and stay polite." for i in range(1, 41))
-    for question in ("What is rule seven about?", "And what does rule twelve say?"):
-        body = {"model": model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}], "max_tokens": 24, "temperature": 0}
+    for question in DEMO_QUESTIONS:
+        body = {"model": model, "messages": [{"role": "system", "content": DEMO_HANDBOOK}, {"role": "user", "content": question}], "max_tokens": 48, "temperature": 0}
         t0 = time.perf_counter()
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
         r.raise_for_status()
@@ -159,7 +195,6 @@ def demo_requests(url: str, model: str, say: Say) -> None:
             f"answered by {extra['worker']} in {time.perf_counter() - t0:.2f} s"
         )
         say(f"answer   {doc['choices'][0]['message']['content']!r}")
-        time.sleep(0.5)
 
 
 @click.command("up")

