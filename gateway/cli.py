@@ -19,6 +19,7 @@ _GROUPS = {
     "docs": "gateway.docs:docs_command",
     "batch": "gateway.batch:batch_command",
     "bench": "worker.bench.cli:bench_command",
+    "bench-peers": "worker.bench.cli:bench_peers_command",
 }
 
 

@@ -17,6 +17,7 @@ rots in the queue.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import redis
@@ -83,9 +84,22 @@ class Dispatcher:
         return {**dict(zip(names, per_worker)), "": shared}
 
     def dispatch(self, spec: JobSpec, *, depends_on: str | None = None, job_id: str | None = None) -> tuple[str, Route]:
-        """Check capacity, route and enqueue, atomically within this gateway; returns the job id and the route taken."""
-        with self._admit:
-            return self._dispatch(spec, depends_on, job_id)
+        """Check capacity, route and enqueue, atomically within this gateway; returns the job id and the route taken.
+
+        A Redis that is restarting is waited for, up to ``redis_outage_s``: a restart takes
+        about a second, and a request should not fail for it.
+        """
+        deadline = time.monotonic() + self.settings.redis_outage_s
+        wait = 0.1
+        while True:
+            try:
+                with self._admit:
+                    return self._dispatch(spec, depends_on, job_id)
+            except (redis.ConnectionError, redis.TimeoutError):
+                if time.monotonic() + wait > deadline:
+                    raise
+                time.sleep(wait)
+                wait = min(2 * wait, 1.0)
 
     def requeue(self, spec: JobSpec, job_id: str) -> None:
         """Submit an admitted job again (Redis lost it) to the shared queue, without a new admission check."""

@@ -24,6 +24,7 @@ class GatewaySettings(WorkerSettings):
     )
     max_waiting_jobs: int = Field(64, ge=1, description="Waiting jobs beyond which requests get 503 with Retry-After.")
     route_max_queue: int = Field(0, ge=0, description="Jobs already queued at a worker beyond which locality routing gives way to the shared queue.")
+    redis_outage_s: float = Field(10.0, ge=0, description="How long a request waits for an unreachable Redis before 503.")
     request_timeout_s: float = Field(300.0, gt=0, description="Longest a request may wait for its answer (504 after).")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted (bytes).")
     max_tokens_default: int = Field(256, ge=1, description="max_tokens when a chat request does not say.")

