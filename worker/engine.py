@@ -10,9 +10,9 @@ Order of work for a job (`Engine.run`):
 4. Evaluate the rest, always at least the last two prompt tokens and never a one-token
    last batch (`worker.llama_state.batch_sizes`), then generate, streaming each token out.
 5. Once the first token is out, hand the prompt's full chunks the store lacks to the
-   background publisher. Once the answer is out (`Engine.settle`), evaluate the
-   completion as prompt and publish prompt plus completion: the next turn of a chat,
-   which resends the whole history, is then a hit for any worker.
+   background publisher. Once the answer is out and the worker idles (`Engine.settle`),
+   evaluate the completion as prompt and publish prompt plus completion: the next turn
+   of a chat, which resends the whole history, is then a hit for any worker.
 
 The answer does not depend on what was reused. For a given prompt, model and KV layout,
 the first sampled token's logits are the same bits whether the prefix came from this
@@ -50,6 +50,7 @@ from worker.llama_state import (
     KvLayout,
     StateReadError,
     StateRestoreError,
+    batch_sizes,
     evaluate_prompt,
     is_end_of_generation,
     kv_layout,
@@ -65,6 +66,11 @@ from worker.settings import WorkerSettings
 from worker.textstream import TextStream
 
 log = logging.getLogger("kvpool.worker")
+
+SETTLE_IDLE_S = 0.05
+"""Idle time after a job before its completion is settled: a client sending back to back never waits for it."""
+SETTLE_BATCH = 32
+"""Tokens per settle batch: the longest a job that arrives meanwhile waits."""
 
 Emit = Callable[[TokenEvent], bool]
 """Sends one token event; returns False when the job was cancelled."""
@@ -364,29 +370,36 @@ class Engine:
         plan.cached_context = min(local_chunks * c, _keepable(tokens))
         plan.cached_store = min(n_restore, _keepable(tokens)) - plan.cached_context
 
-    def settle(self) -> None:
-        """After the answer is out: evaluate the completion as prompt, so the next turn finds it exact anywhere.
+    def settle(self, job_waiting: Callable[[], bool]) -> None:
+        """Once the answer is out and the worker idles: evaluate the completion as prompt.
 
         Generated tokens were decoded one at a time, so their cells are not what a cold
-        evaluation of the next turn's prompt would hold. Decoding them again in prompt
-        batches costs a fraction of what the next turn would otherwise pay, and lets this
-        context and the store serve the whole conversation so far, to the exact token.
+        evaluation of the next turn's prompt would hold. Evaluated again in prompt batches,
+        they serve the next turn of the chat exactly, from this context and, published,
+        from any worker. It is idle-time work: it starts only after the worker has had no
+        job waiting for `SETTLE_IDLE_S`, and it stops between batches as soon as one
+        arrives (that job evaluates whatever it needs itself).
         """
         pending, self._pending = self._pending, None
         if pending is None or not self.settings.settle_completions or not self.kv.prefix_reuse:
             return
         ns, tokens, generated = pending
         held = tokens + generated
-        if not generated or len(held) > self.settings.n_ctx:
+        if not generated or len(held) > self.settings.n_ctx or not _idle_for(SETTLE_IDLE_S, job_waiting):
             return
+        pos = min(len(tokens), len(held) - 2)
         try:
-            evaluate_prompt(self.llm, held, min(len(tokens), len(held) - 2))
+            for size in batch_sizes(len(held) - pos, SETTLE_BATCH):
+                if pos > len(tokens) and job_waiting():
+                    break
+                evaluate_prompt(self.llm, held[: pos + size], pos)
+                pos += size
+                self.exact_upto = pos
         except Exception:  # the answer is already out: never fail the job for this
             log.exception("settle.failed")
             self.forget_context()
             return
-        self.exact_upto = len(held)
-        if len(held) // ns.chunk_size > len(tokens) // ns.chunk_size:
+        if pos == len(held) and len(held) // ns.chunk_size > len(tokens) // ns.chunk_size:
             self._publish(ns, held, _Plan())
 
     # -- publishing -------------------------------------------------------------
@@ -421,6 +434,16 @@ class Engine:
         best = np.argpartition(-logits, top_n)[:top_n]
         top = {self.llm.detokenize([int(i)]).decode("utf-8", "replace"): float(logits[i] - logz) for i in best}
         return lp, top
+
+
+def _idle_for(seconds: float, job_waiting: Callable[[], bool]) -> bool:
+    """True once ``seconds`` pass with no job waiting; False as soon as one is."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if job_waiting():
+            return False
+        time.sleep(0.01)
+    return not job_waiting()
 
 
 def _keepable(tokens: list[int]) -> int:

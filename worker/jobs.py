@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import redis
 from pydantic import BaseModel, ValidationError
-from rq import get_current_job
+from rq import Queue, get_current_job
 
 from worker import metrics
-from worker.protocol import DoneEvent, ErrorEvent, JobRejected, JobSpec, StartEvent, cancel_key, stream_key
+from worker.protocol import DoneEvent, ErrorEvent, JobRejected, JobSpec, StartEvent, cancel_key, stream_key, worker_queue
 
 if TYPE_CHECKING:
     from worker.engine import Engine
@@ -92,7 +92,7 @@ def run_job(spec: dict) -> dict:
         log.exception("job.failed", extra={"job": job.id, "retrying": retrying})
         raise
     stream.send(DoneEvent(result=result))
-    engine.settle()
+    engine.settle(lambda: jobs_waiting(job.connection, [worker_queue(engine.name), engine.settings.queue]))
     metrics.JOBS.labels(**labels, outcome=result.finish_reason).inc()
     log.info(
         "job.done",
@@ -108,6 +108,17 @@ def run_job(spec: dict) -> dict:
         },
     )
     return json.loads(result.model_dump_json())
+
+
+def jobs_waiting(conn: redis.Redis, queues: list[str]) -> bool:
+    """Whether any of ``queues`` holds a job (an unreachable Redis counts as yes: do nothing optional)."""
+    try:
+        pipe = conn.pipeline(transaction=False)
+        for name in queues:
+            pipe.llen(Queue(name, connection=conn).key)
+        return any(pipe.execute())
+    except redis.RedisError:
+        return True
 
 
 class _Cancelled(Exception):

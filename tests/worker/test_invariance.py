@@ -14,7 +14,7 @@ more tokens, which the worker's self-check also verifies at start-up (``exact``)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +48,7 @@ class Runner:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def ask(self, tokens: list[int]) -> Answer:
+    def ask(self, tokens: list[int], job_waiting: Callable[[], bool] = lambda: False) -> Answer:
         seen: list[np.ndarray] = []
 
         def emit(_: TokenEvent) -> bool:
@@ -67,7 +67,7 @@ class Runner:
             wait_for_publish=True,
         )
         result = self.engine.run(spec, emit)
-        self.engine.settle()  # as the worker does once the answer is out
+        self.engine.settle(job_waiting)  # as the worker does once the answer is out
         assert seen, "no token was generated"
         return Answer(seen[0], result.tokens, result.usage.cached_from_context, result.usage.cached_from_store)
 
@@ -154,6 +154,14 @@ def test_the_next_turn_resumes_after_the_completion_with_the_same_bits(runners: 
     cold = runners["cold"].ask(turn)
     for answer in (nxt, elsewhere):
         assert np.array_equal(answer.logits, cold.logits) and answer.tokens == cold.tokens
+
+
+def test_settling_is_idle_time_work_that_yields_to_a_waiting_job(runners: dict[str, Runner], document: list[int]) -> None:
+    reuse = runners["reuse"]
+    reuse.ask(document[:200], job_waiting=lambda: True)
+    assert reuse.engine.exact_upto == 200, "a job was waiting: the completion stays unsettled"
+    first = reuse.ask(document[:200])
+    assert reuse.engine.exact_upto == 200 + len(first.tokens)
 
 
 @pytest.mark.parametrize(
