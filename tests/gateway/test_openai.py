@@ -18,6 +18,7 @@ def pool(start_worker, start_gateway):
     return start_gateway()
 
 
+@pytest.mark.fp_path
 def test_completions_with_a_shared_prefix_report_cached_tokens_and_match_a_cold_run(pool, tiny_model, cold_llm) -> None:
     client = openai_client(pool)
     document = prompt_text(20, 200)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import threading
 import time
@@ -43,6 +45,7 @@ def test_missing_or_wrong_key_is_401(start_worker, start_gateway) -> None:
     assert ok.status_code == 200
 
 
+@pytest.mark.fp_path
 def test_a_follow_up_goes_to_the_holder_when_free_and_elsewhere_when_busy(start_worker, start_gateway, tiny_model, cold_llm) -> None:
     start_worker("w1", KVPOOL_N_CTX="4096")
     start_worker("w2", KVPOOL_N_CTX="4096")

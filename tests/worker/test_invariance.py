@@ -33,6 +33,8 @@ CHUNK = 256
 LENGTHS = [255, 256, 257, 258, 511, 512, 513, 514, 767, 769, 1025]
 CONTINUATION = 16
 
+pytestmark = pytest.mark.fp_path  # answers are compared with a cold run, bit for bit or token for token
+
 
 @dataclass
 class Answer:

@@ -21,6 +21,8 @@ from worker.namespace import namespace_for
 
 C = POOL_CHUNK
 
+pytestmark = pytest.mark.fp_path  # answers are compared with a cold run, bit for bit or token for token
+
 
 def wait_published(client: PoolClient, tokens: list[int], chunks: int, tenant: str = "", timeout_s: float = 20.0) -> None:
     """Publishing runs in the background after the answer; wait until the index holds ``chunks`` chunks."""

@@ -18,6 +18,7 @@ def test_round_trip_reproduces_cold_logits(tiny_model, flash_attn: bool, cache: 
     assert llm.n_tokens == 0
 
 
+@pytest.mark.fp_path
 @pytest.mark.parametrize("flash_attn,cache", [(False, "f16"), (True, "q8_0")], ids=["f16", "q8_0-flash"])
 def test_layouts_whose_kernels_ignore_batch_size_are_exact(tiny_model, flash_attn: bool, cache: str) -> None:
     """CPU-dependent by nature: it states that llama.cpp gives these layouts the same bits for any batch of 2+."""

@@ -184,7 +184,8 @@ def llama_servers(binary: Path, model: Path, *, count: int, threads: int, slots:
             args = [str(binary), "-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx * slots)]
             args += ["-np", str(slots), "--host", "127.0.0.1", "--port", str(port)]
             log = open(logs / f"llama-server-{count}x{slots}-{i}.log", "ab")  # noqa: SIM115 -- handed to the child
-            procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}  # a shared-library build keeps its libraries beside it
+            procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env))
             urls.append(f"http://127.0.0.1:{port}")
         for url, proc in zip(urls, procs):
             _wait_http(url, proc, "/health")
