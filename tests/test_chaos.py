@@ -175,7 +175,11 @@ def _recovered_after(out: list[Outcome], t: float) -> float:
 def _corrupt_blobs(pool: Pool, count: int) -> int:
     s = s3_settings(pool.s3.endpoint_url, BUCKET, pool.redis.url)
     s3 = boto3.client("s3", endpoint_url=s.s3_endpoint_url, aws_access_key_id=s.s3_access_key_id, aws_secret_access_key=s.s3_secret_access_key, region_name="us-east-1")
-    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET).get("Contents", []) if "/chunks/" in o["Key"]][:count]
+    try:
+        listed = s3.list_objects_v2(Bucket=BUCKET).get("Contents", [])
+    except s3.exceptions.NoSuchBucket:
+        return 0  # not created again yet: nothing has been stored since S3 came back
+    keys = [o["Key"] for o in listed if "/chunks/" in o["Key"]][:count]
     for key in keys:
         blob = bytearray(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
         blob[len(blob) // 2] ^= 0xFF
@@ -246,9 +250,11 @@ def test_faults_under_load_lose_nothing_and_answer_right(pool: Pool, smollm2: Pa
         pool.s3.start()  # back, with no bucket and no blobs
         recovery["s3 back empty"] = _recovered_after(out, time.monotonic())
 
-        deadline = time.monotonic() + 20
+        fresh = {**bodies[0], "messages": [{"role": "system", "content": _documents(3, 120)[2]}, {"role": "user", "content": QUESTIONS[0]}]}
+        assert _ask(pool.url, fresh, stream=False)[0] == "answer"  # a prompt the store never saw: it must be stored anew
+        deadline = time.monotonic() + 30
         while not (corrupted := _corrupt_blobs(pool, 3)) and time.monotonic() < deadline:
-            time.sleep(0.5)  # wait until the workers have stored blobs again
+            time.sleep(0.5)  # the publisher runs in the background
         assert corrupted, "nothing was stored again after S3 came back empty"
         recovery["blobs corrupted"] = _recovered_after(out, time.monotonic())
 
