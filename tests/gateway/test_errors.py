@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -141,6 +143,40 @@ def test_backpressure_answers_503_with_retry_after(start_worker, start_gateway) 
     assert 503 in statuses and 200 in statuses
     r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "now", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_admission_is_atomic_under_a_burst(start_worker, start_gateway, redis_url) -> None:
+    """24 requests at once against a limit of 4 waiting jobs: 4 wait, the rest get 503 at once.
+
+    The worker is paused (SIGSTOP) while its advert is still live, so admitted jobs wait in the queue;
+    a BLPOP it had already issued may still take one job off the queue (Redis hands it over).
+    """
+    w = start_worker("w1")
+    gw = start_gateway(KVPOOL_MAX_WAITING_JOBS="4")
+    conn = redis.Redis.from_url(redis_url)
+    statuses: list[int] = []
+    start = threading.Barrier(24)
+
+    def send() -> None:
+        start.wait()
+        body = {"model": MODEL, "prompt": prompt_text(5, 10), "max_tokens": 2}
+        statuses.append(httpx.post(gw.url + "/v1/completions", json=body, timeout=120).status_code)
+
+    os.kill(w.proc.pid, signal.SIGSTOP)
+    try:
+        threads = [threading.Thread(target=send) for _ in range(24)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while len(statuses) < 19:
+            assert time.monotonic() < deadline, f"answered so far: {statuses}"
+            time.sleep(0.02)
+        assert conn.llen("rq:queue:kvpool") == 4
+    finally:
+        os.kill(w.proc.pid, signal.SIGCONT)
+    for t in threads:
+        t.join()
+    assert sorted(set(statuses)) == [200, 503] and 4 <= statuses.count(200) <= 5, statuses
 
 
 def test_request_timeout_is_504_and_cancels_the_job(start_worker, start_gateway, redis_url) -> None:
