@@ -107,18 +107,16 @@ def smollm2() -> Path:
 POOL_CHUNK = 32
 
 
-@pytest.fixture
-def pool_env(redis_url: str, store_settings_s3: StoreSettings, tiny_model: Path) -> dict[str, str]:
-    """KVPOOL_* settings for worker processes: the session's Redis, S3 over HTTP and the tiny model."""
-    s = store_settings_s3
+def env_for_pool(redis_url: str, s: StoreSettings, model: Path, chunk_size: int) -> dict[str, str]:
+    """KVPOOL_* settings for worker and gateway processes: this Redis, this store, this model; short timeouts."""
     return {
         "KVPOOL_REDIS_URL": redis_url,
         "KVPOOL_STORE_URL": s.store_url,
         "KVPOOL_S3_ENDPOINT_URL": s.s3_endpoint_url or "",
         "KVPOOL_S3_ACCESS_KEY_ID": s.s3_access_key_id or "",
         "KVPOOL_S3_SECRET_ACCESS_KEY": s.s3_secret_access_key or "",
-        "KVPOOL_MODEL": str(tiny_model),
-        "KVPOOL_CHUNK_SIZE": str(POOL_CHUNK),
+        "KVPOOL_MODEL": str(model),
+        "KVPOOL_CHUNK_SIZE": str(chunk_size),
         "KVPOOL_N_CTX": "2048",
         "KVPOOL_N_THREADS": "1",
         "KVPOOL_HEARTBEAT_S": "0.5",
@@ -126,6 +124,12 @@ def pool_env(redis_url: str, store_settings_s3: StoreSettings, tiny_model: Path)
         "KVPOOL_READ_TIMEOUT_S": "2",
         "KVPOOL_RETRIES": "1",
     }
+
+
+@pytest.fixture
+def pool_env(redis_url: str, store_settings_s3: StoreSettings, tiny_model: Path) -> dict[str, str]:
+    """KVPOOL_* settings for worker processes: the session's Redis, S3 over HTTP and the tiny model."""
+    return env_for_pool(redis_url, store_settings_s3, tiny_model, POOL_CHUNK)
 
 
 @pytest.fixture

@@ -37,7 +37,7 @@ from gateway.settings import GatewaySettings
 from gateway.tenants import Tenants
 from gateway.up import GatewayProcess
 from store.redis_server import RedisServer, free_port
-from tests.conftest import s3_settings
+from tests.conftest import env_for_pool, s3_settings
 from tests.services import S3Server
 from worker.llama_state import evaluate_prompt, is_end_of_generation
 from worker.spawn import WorkerProcess
@@ -191,22 +191,9 @@ def _corrupt_blobs(pool: Pool, count: int) -> int:
 def pool(tmp_path: Path, smollm2: Path) -> Iterator[Pool]:
     server = RedisServer(tmp_path / "redis", persist=True).start()
     s3 = S3Server().start()
-    s = s3_settings(s3.endpoint_url, BUCKET, server.url)
     env = {
-        "KVPOOL_REDIS_URL": server.url,
-        "KVPOOL_STORE_URL": s.store_url,
-        "KVPOOL_S3_ENDPOINT_URL": s3.endpoint_url,
-        "KVPOOL_S3_ACCESS_KEY_ID": s.s3_access_key_id or "",
-        "KVPOOL_S3_SECRET_ACCESS_KEY": s.s3_secret_access_key or "",
-        "KVPOOL_MODEL": str(smollm2),
+        **env_for_pool(server.url, s3_settings(s3.endpoint_url, BUCKET, server.url), smollm2, 64),
         "KVPOOL_MODEL_NAME": "smollm2",
-        "KVPOOL_CHUNK_SIZE": "64",
-        "KVPOOL_N_CTX": "2048",
-        "KVPOOL_N_THREADS": "1",
-        "KVPOOL_HEARTBEAT_S": "0.5",
-        "KVPOOL_CONNECT_TIMEOUT_S": "1",
-        "KVPOOL_READ_TIMEOUT_S": "2",
-        "KVPOOL_RETRIES": "1",
         "KVPOOL_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S),
     }
     p = Pool(env, server, s3, free_port(), tmp_path)
