@@ -40,16 +40,13 @@ import llama_cpp
 import numpy as np
 
 from store.chain import Namespace
-from store.errors import StoreError, StoreUnavailable
 from store.fingerprint import fingerprint_file
 from store.store import Store
 from worker import metrics
-from worker.kvchunks import StateFormatError, cut_state, join_state
 from worker.llama_state import (
     CACHE_TYPE_NAMES,
     KvLayout,
     StateReadError,
-    StateRestoreError,
     batch_sizes,
     evaluate_prompt,
     is_end_of_generation,
@@ -57,10 +54,10 @@ from worker.llama_state import (
     last_logits,
     open_llama,
     read_seq_state,
-    restore_seq_state,
 )
 from worker.protocol import JobRejected, JobResult, JobSpec, TokenEvent, Timings, Usage
 from worker.namespace import chain_layout
+from worker.prefix import Plan, PrefixFinder
 from worker.publisher import Publisher
 from worker.settings import WorkerSettings
 from worker.textstream import TextStream
@@ -77,21 +74,6 @@ Emit = Callable[[TokenEvent], bool]
 
 
 @dataclass
-class _Plan:
-    cached_context: int = 0
-    cached_store: int = 0
-    store_depth: int = 0
-    store_status: str = "ok"
-    published: bool = False
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def start(self) -> int:
-        """Cells kept; the prompt is evaluated from here."""
-        return self.cached_context + self.cached_store
-
-
-@dataclass
 class _Output:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -100,7 +82,7 @@ class _Output:
     t_first: float | None = None
 
 
-class Engine:
+class Engine(PrefixFinder):
     def __init__(self, settings: WorkerSettings, model_path: Path, *, store: Store | None, name: str) -> None:
         self.settings = settings
         self.name = name
@@ -205,7 +187,7 @@ class Engine:
         )
         return self._result(spec, plan, out, timings)
 
-    def _count_prompt(self, plan: _Plan, n_prompt: int) -> None:
+    def _count_prompt(self, plan: Plan, n_prompt: int) -> None:
         metrics.PROMPT_TOKENS.labels(**self.labels).inc(n_prompt)
         metrics.REUSED_TOKENS.labels(**self.labels).inc(plan.cached_context)
         metrics.RESTORED_TOKENS.labels(**self.labels).inc(plan.cached_store)
@@ -260,7 +242,7 @@ class Engine:
         piece = self.llm.detokenize([tok]).decode("utf-8", "replace")
         return TokenEvent(text=text, token=tok, piece=piece, logprob=lp, top_logprobs=top)
 
-    def _result(self, spec: JobSpec, plan: _Plan, out: _Output, timings: Timings) -> JobResult:
+    def _result(self, spec: JobSpec, plan: Plan, out: _Output, timings: Timings) -> JobResult:
         n = len(spec.tokens)
         return JobResult(
             text=out.text,
@@ -290,85 +272,6 @@ class Engine:
         n_vocab = self.llm.n_vocab()
         if any(t < 0 or t >= n_vocab for t in [*spec.tokens, *spec.sampling.logit_bias]):
             raise JobRejected(f"token ids must lie in [0, {n_vocab})")
-
-    def _prepare(self, ns: Namespace, tokens: list[int], keys: list[bytes]) -> _Plan:
-        """Bring the context to the deepest prefix available, locally or from the store.
-
-        The last two prompt tokens are always evaluated, never kept (see `batch_sizes`): the
-        first sampled token then comes out of the same kernels whatever was reused.
-        """
-        plan = _Plan(store_status="ok" if self.store else "disabled")
-        n_local = self._local_prefix(ns, tokens)
-        plan.cached_context = min(n_local, _keepable(tokens))
-        depth = self._store_depth(ns, keys, plan)
-        if depth * ns.chunk_size > n_local:
-            self._restore(ns, tokens, keys, n_local, plan)
-        return plan
-
-    def _local_prefix(self, ns: Namespace, tokens: list[int]) -> int:
-        """How many leading prompt tokens the context holds exactly: same tenant, cells from prompt batches.
-
-        A hit across tenants would leak prompts through timing, so another tenant's context
-        is dropped. Cells of generated tokens are never reused (see `_publish`).
-        """
-        if self.context_tenant != ns.tenant_salt or not self.kv.prefix_reuse or self.exact_upto == 0:
-            self.forget_context()
-            return 0
-        held = self.llm.input_ids[: min(self.exact_upto, self.llm.n_tokens)]
-        upto = min(len(held), len(tokens))
-        diff = np.flatnonzero(held[:upto] != np.asarray(tokens[:upto]))
-        return int(diff[0]) if diff.size else upto
-
-    def _store_depth(self, ns: Namespace, keys: list[bytes], plan: _Plan) -> int:
-        """How many leading chunks the store holds; 0 when it cannot help."""
-        if self.store is None or not keys:
-            return 0
-        if not self.restore_enabled:
-            metrics.COLD_FALLBACKS.labels(**self.labels, reason="restore_disabled").inc()
-            return 0
-        t0 = time.perf_counter()
-        try:
-            plan.store_depth = self.store.lookup(ns, keys)
-        except StoreUnavailable as e:
-            plan.store_status = "unavailable"
-            metrics.COLD_FALLBACKS.labels(**self.labels, reason="store_unavailable").inc()
-            log.warning("store.unavailable", extra={"endpoint": e.endpoint, "reason": e.reason})
-            return 0
-        plan.timings["lookup"] = time.perf_counter() - t0
-        return plan.store_depth
-
-    def _restore(self, ns: Namespace, tokens: list[int], keys: list[bytes], n_local: int, plan: _Plan) -> None:
-        """Fetch the chunks past the local ones, join them with the local chunks and restore the whole prefix."""
-        c = ns.chunk_size
-        local_chunks = n_local // c
-        t1 = time.perf_counter()
-        try:
-            remote = self.store.fetch(ns, tokens, keys, local_chunks, plan.store_depth) if self.store else []
-        except StoreError as e:
-            plan.store_status = "unavailable"
-            log.warning("store.fetch_failed", extra={"reason": str(e)})
-            remote = []
-        plan.timings["fetch"] = time.perf_counter() - t1
-        if local_chunks + len(remote) < plan.store_depth:
-            metrics.COLD_FALLBACKS.labels(**self.labels, reason="fetch_failed").inc()
-        n_restore = (local_chunks + len(remote)) * c
-        if n_restore <= n_local:
-            return
-        t2 = time.perf_counter()
-        try:
-            local = cut_state(read_seq_state(self.llm), c, 0, local_chunks) if local_chunks else []
-            restore_seq_state(self.llm, join_state([*local, *remote], v_trans=self.kv.v_trans), tokens[:n_restore])
-        except (StateReadError, StateRestoreError, StateFormatError) as e:
-            metrics.COLD_FALLBACKS.labels(**self.labels, reason="restore_failed").inc()
-            log.error("restore.failed", extra={"reason": str(e), "chunks": local_chunks + len(remote)})
-            self.forget_context()
-            plan.cached_context = 0
-            return
-        plan.timings["restore"] = time.perf_counter() - t2
-        metrics.RESTORE_SECONDS.labels(**self.labels).observe(time.perf_counter() - t1)
-        metrics.RESTORE_BYTES.labels(**self.labels).inc(sum(len(p) for p in remote))
-        plan.cached_context = min(local_chunks * c, _keepable(tokens))
-        plan.cached_store = min(n_restore, _keepable(tokens)) - plan.cached_context
 
     def settle(self, job_waiting: Callable[[], bool]) -> None:
         """Once the answer is out and the worker idles: evaluate the completion as prompt.
@@ -400,11 +303,11 @@ class Engine:
             self.forget_context()
             return
         if pos == len(held) and len(held) // ns.chunk_size > len(tokens) // ns.chunk_size:
-            self._publish(ns, held, _Plan())
+            self._publish(ns, held, Plan())
 
     # -- publishing -------------------------------------------------------------
 
-    def _publish(self, ns: Namespace, tokens: list[int], plan: _Plan) -> None:
+    def _publish(self, ns: Namespace, tokens: list[int], plan: Plan) -> None:
         """Hand the prompt's state to the background publisher, once a job; it stores the full chunks the store lacks.
 
         Called just after the first token is out (the snapshot takes milliseconds), or at the
@@ -444,11 +347,6 @@ def _idle_for(seconds: float, job_waiting: Callable[[], bool]) -> bool:
             return False
         time.sleep(0.01)
     return not job_waiting()
-
-
-def _keepable(tokens: list[int]) -> int:
-    """The most prompt cells a job keeps: the last two tokens are always evaluated."""
-    return max(len(tokens) - 2, 0)
 
 
 def _bias(bias: dict[int, float]) -> llama_cpp.LogitsProcessorList:

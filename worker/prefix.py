@@ -1,0 +1,140 @@
+"""Bringing a worker's context to the deepest prefix of a prompt that is available: its own cells, then the store.
+
+`PrefixFinder` is the part of `worker.engine.Engine` that decides how many prompt cells
+a job keeps. Its own context counts only where the cells are exact (same tenant, cells
+from prompt batches, see ``Engine.exact_upto``); the store counts when it holds more
+full chunks than that, which are fetched, verified, joined with the local chunks and
+restored in one go. The last two prompt tokens are never kept (`keepable`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import llama_cpp
+import numpy as np
+
+from store.chain import Namespace
+from store.errors import StoreError, StoreUnavailable
+from store.store import Store
+from worker import metrics
+from worker.kvchunks import StateFormatError, cut_state, join_state
+from worker.llama_state import KvLayout, StateReadError, StateRestoreError, read_seq_state, restore_seq_state
+
+log = logging.getLogger("kvpool.worker")
+
+
+@dataclass
+class Plan:
+    cached_context: int = 0
+    cached_store: int = 0
+    store_depth: int = 0
+    store_status: str = "ok"
+    published: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def start(self) -> int:
+        """Cells kept; the prompt is evaluated from here."""
+        return self.cached_context + self.cached_store
+
+
+class PrefixFinder:
+    """Mixed into the engine: needs its context, KV layout, store and what the context holds."""
+
+    llm: llama_cpp.Llama
+    kv: KvLayout
+    store: Store | None
+    labels: dict[str, str]
+    restore_enabled: bool
+    context_tenant: str | None
+    exact_upto: int
+
+    def forget_context(self) -> None:
+        raise NotImplementedError
+
+    def _prepare(self, ns: Namespace, tokens: list[int], keys: list[bytes]) -> Plan:
+        """Bring the context to the deepest prefix available, locally or from the store.
+
+        The last two prompt tokens are always evaluated, never kept (see `batch_sizes`): the
+        first sampled token then comes out of the same kernels whatever was reused.
+        """
+        plan = Plan(store_status="ok" if self.store else "disabled")
+        n_local = self._local_prefix(ns, tokens)
+        plan.cached_context = min(n_local, keepable(tokens))
+        depth = self._store_depth(ns, keys, plan)
+        if depth * ns.chunk_size > n_local:
+            self._restore(ns, tokens, keys, n_local, plan)
+        return plan
+
+    def _local_prefix(self, ns: Namespace, tokens: list[int]) -> int:
+        """How many leading prompt tokens the context holds exactly: same tenant, cells from prompt batches.
+
+        A hit across tenants would leak prompts through timing, so another tenant's context
+        is dropped. Cells of generated tokens are never reused (see `_publish`).
+        """
+        if self.context_tenant != ns.tenant_salt or not self.kv.prefix_reuse or self.exact_upto == 0:
+            self.forget_context()
+            return 0
+        held = self.llm.input_ids[: min(self.exact_upto, self.llm.n_tokens)]
+        upto = min(len(held), len(tokens))
+        diff = np.flatnonzero(held[:upto] != np.asarray(tokens[:upto]))
+        return int(diff[0]) if diff.size else upto
+
+    def _store_depth(self, ns: Namespace, keys: list[bytes], plan: Plan) -> int:
+        """How many leading chunks the store holds; 0 when it cannot help."""
+        if self.store is None or not keys:
+            return 0
+        if not self.restore_enabled:
+            metrics.COLD_FALLBACKS.labels(**self.labels, reason="restore_disabled").inc()
+            return 0
+        t0 = time.perf_counter()
+        try:
+            plan.store_depth = self.store.lookup(ns, keys)
+        except StoreUnavailable as e:
+            plan.store_status = "unavailable"
+            metrics.COLD_FALLBACKS.labels(**self.labels, reason="store_unavailable").inc()
+            log.warning("store.unavailable", extra={"endpoint": e.endpoint, "reason": e.reason})
+            return 0
+        plan.timings["lookup"] = time.perf_counter() - t0
+        return plan.store_depth
+
+    def _restore(self, ns: Namespace, tokens: list[int], keys: list[bytes], n_local: int, plan: Plan) -> None:
+        """Fetch the chunks past the local ones, join them with the local chunks and restore the whole prefix."""
+        c = ns.chunk_size
+        local_chunks = n_local // c
+        t1 = time.perf_counter()
+        try:
+            remote = self.store.fetch(ns, tokens, keys, local_chunks, plan.store_depth) if self.store else []
+        except StoreError as e:
+            plan.store_status = "unavailable"
+            log.warning("store.fetch_failed", extra={"reason": str(e)})
+            remote = []
+        plan.timings["fetch"] = time.perf_counter() - t1
+        if local_chunks + len(remote) < plan.store_depth:
+            metrics.COLD_FALLBACKS.labels(**self.labels, reason="fetch_failed").inc()
+        n_restore = (local_chunks + len(remote)) * c
+        if n_restore <= n_local:
+            return
+        t2 = time.perf_counter()
+        try:
+            local = cut_state(read_seq_state(self.llm), c, 0, local_chunks) if local_chunks else []
+            restore_seq_state(self.llm, join_state([*local, *remote], v_trans=self.kv.v_trans), tokens[:n_restore])
+        except (StateReadError, StateRestoreError, StateFormatError) as e:
+            metrics.COLD_FALLBACKS.labels(**self.labels, reason="restore_failed").inc()
+            log.error("restore.failed", extra={"reason": str(e), "chunks": local_chunks + len(remote)})
+            self.forget_context()
+            plan.cached_context = 0
+            return
+        plan.timings["restore"] = time.perf_counter() - t2
+        metrics.RESTORE_SECONDS.labels(**self.labels).observe(time.perf_counter() - t1)
+        metrics.RESTORE_BYTES.labels(**self.labels).inc(sum(len(p) for p in remote))
+        plan.cached_context = min(local_chunks * c, keepable(tokens))
+        plan.cached_store = min(n_restore, keepable(tokens)) - plan.cached_context
+
+
+def keepable(tokens: list[int]) -> int:
+    """The most prompt cells a job keeps: the last two tokens are always evaluated."""
+    return max(len(tokens) - 2, 0)
