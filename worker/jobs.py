@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from rq import Queue, get_current_job
 
 from worker import metrics
+from worker.advert import adverts
 from worker.protocol import DoneEvent, ErrorEvent, JobRejected, JobSpec, StartEvent, cancel_key, stream_key, worker_queue
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ def run_job(spec: dict) -> dict:
         log.exception("job.failed", extra={"job": job.id, "retrying": retrying})
         raise
     stream.send(DoneEvent(result=result))
-    engine.settle(lambda: jobs_waiting(job.connection, [worker_queue(engine.name), engine.settings.queue]))
+    engine.settle(lambda: jobs_waiting(job.connection, [worker_queue(engine.name), engine.settings.queue]) or pool_busy(job.connection, engine.name))
     metrics.JOBS.labels(**labels, outcome=result.finish_reason).inc()
     log.info(
         "job.done",
@@ -117,6 +118,18 @@ def jobs_waiting(conn: redis.Redis, queues: list[str]) -> bool:
         for name in queues:
             pipe.llen(Queue(name, connection=conn).key)
         return any(pipe.execute())
+    except redis.RedisError:
+        return True
+
+
+def pool_busy(conn: redis.Redis, me: str) -> bool:
+    """Whether another worker is running a job: idle-time work on shared cores would slow it down several-fold.
+
+    llama.cpp's threads spin while they wait for each other, so two workers evaluating at
+    once on the same cores each run far slower than half speed.
+    """
+    try:
+        return any(a.busy for a in adverts(conn) if a.worker != me)
     except redis.RedisError:
         return True
 
