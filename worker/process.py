@@ -240,6 +240,7 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
             if burst or worker.stopping:
                 break
             log.warning("worker.restarting", extra={"worker": worker.name, "reason": "the RQ loop ended (Redis lost?)"})
+            time.sleep(1.0)  # a loop that keeps ending must not spin
             worker = _wait_for_redis(lambda: build_worker(settings))
     finally:
         try:
