@@ -16,8 +16,15 @@ the KV layout (cache types, flash attention, and any llama.cpp setting that alte
 the cache bytes, such as environment switches), the chunk size and the tenant salt.
 Changing any of them gives disjoint chains, never a wrong hit.
 
-Only full chunks get keys: a partial tail chunk is never stored, because its state
-would be extended in place by the next request and could not be shared as-is.
+A prompt's last, partial chunk (its *tail*, 1 to C-1 tokens) gets a key of its own,
+
+    tail_key = xxh3_128(b"kvpool/tail" || key[n-1] || tail tokens)
+
+with a domain prefix that no full chunk key has, so a tail is never mistaken for a
+chunk. A tail is a leaf: it is never anybody's parent. Because a cell depends only on
+the tokens before it, the first ``j`` cells of a stored tail serve any prompt whose
+tokens after ``key[n-1]`` start with the same ``j`` tokens; that is how a worker
+resumes at the exact token another worker reached (`store.tails`).
 
 Everything here is deterministic across processes and machines: xxh3 with seed 0,
 explicit little-endian encodings, no Python ``hash()``, no pickle.
@@ -39,6 +46,7 @@ KEY_BYTES = 16
 MAX_TOKEN_ID = 2**31 - 1
 
 _NS_MAGIC = b"kvpool/namespace"
+_TAIL_MAGIC = b"kvpool/tail"
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,10 @@ class Namespace:
     def chain(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
         return chain_keys(self.key, tokens, self.chunk_size)
 
+    def parent_of(self, keys: Sequence[bytes], index: int) -> bytes:
+        """The key chunk (or tail) ``index`` hangs from: chunk ``index-1``, or the namespace for 0."""
+        return keys[index - 1] if index else self.key
+
 
 def _field(data: bytes) -> bytes:
     return struct.pack("<I", len(data)) + data
@@ -133,3 +145,8 @@ def chain_keys(namespace: bytes, tokens: Sequence[int] | np.ndarray, chunk_size:
         keys.append(parent)
     return keys
 
+
+
+def tail_key(parent: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
+    """The key of a partial last chunk hanging from ``parent`` (see the module docstring)."""
+    return xxhash.xxh3_128_digest(_TAIL_MAGIC + parent + token_bytes(tokens))

@@ -6,10 +6,14 @@ reader that finds it missing, and `Store.reindex` rebuilds everything from a lis
 
 Keys (all under a versioned prefix, default ``kvpool:v1:``):
 
-* ``chunk:<key hex>`` -- hash: ``ns``, ``index``, ``size``, ``created``
-* ``lru``             -- sorted set of chunk keys by eviction order (lowest goes first);
-                         the last-access time is read back from the score
-* ``bytes``           -- total bytes of indexed blobs
+* ``chunk:<key hex>``   -- hash: ``ns``, ``index``, ``size``, ``created``; a tail also has
+                           ``parent`` (hex of the chunk it hangs from)
+* ``tails:<parent hex>`` -- hash: tail key hex -> the tail's tokens (little-endian int32),
+                           at most ``tails_per_parent`` of them, so that one lookup can
+                           pick the tail that matches a prompt furthest
+* ``lru``               -- sorted set of chunk and tail keys by eviction order (lowest goes
+                           first); the last-access time is read back from the score
+* ``bytes``             -- total bytes of indexed blobs
 
 Eviction order. A chain's chunk ``i`` is only ever useful when chunks ``0..i-1`` are
 present, so eviction must never remove a parent before its children. Every access
@@ -19,8 +23,14 @@ touches a whole prefix ``0..d`` at once with one timestamp, and the score is
 
 so parents always score at least as high as their children (they were touched at least
 as recently, and at equal times the shallower chunk wins), and popping the lowest
-score takes the deepest chunk of the least recently used chain first. Scores stay
-below 2**53 (until the year 2105), so Redis's doubles hold them exactly.
+score takes the deepest chunk of the least recently used chain first. Tails score as
+the deepest possible depth, so of everything touched at one time they go first, and
+they are never a parent. Scores stay below 2**53 (until the year 2105), so Redis's
+doubles hold them exactly.
+
+`lookup` answers "how deep is this chain stored, and which tails hang from its deepest
+stored chunk?" in one round trip, whatever the index holds: one ``ZSCORE`` per chunk of
+the prompt and one ``HGETALL`` of at most ``tails_per_parent`` fields.
 """
 
 from __future__ import annotations
@@ -30,11 +40,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 import redis
 
 from store.errors import StoreUnavailable
 
 _DEPTH_SLOTS = 2**15
+TAIL_DEPTH = _DEPTH_SLOTS - 1
 _EPOCH = 1_577_836_800
 T = TypeVar("T")
 
@@ -47,19 +59,65 @@ redis.call('INCRBY', KEYS[3], ARGV[3])
 return 1
 """
 
-# Remove entries; returns the bytes freed.
+# Remove entries (a tail also from its parent's tails); returns the bytes freed.
+# KEYS: lru, then chunk hashes; ARGV: bytes key, key prefix, then key hexes.
 _REMOVE = """
 local freed = 0
 for i = 2, #KEYS do
-  local size = redis.call('HGET', KEYS[i], 'size')
-  if size then
-    freed = freed + tonumber(size)
+  local h = redis.call('HMGET', KEYS[i], 'size', 'parent')
+  if h[1] then
+    freed = freed + tonumber(h[1])
     redis.call('DEL', KEYS[i])
   end
-  redis.call('ZREM', KEYS[1], ARGV[i - 1])
+  if h[2] then redis.call('HDEL', ARGV[2] .. 'tails:' .. h[2], ARGV[i + 1]) end
+  redis.call('ZREM', KEYS[1], ARGV[i + 1])
 end
-if freed > 0 then redis.call('DECRBY', ARGV[#ARGV], freed) end
+if freed > 0 then redis.call('DECRBY', ARGV[1], freed) end
 return freed
+"""
+
+# Insert a tail once, then keep its parent's newest ``cap`` tails; returns the hexes of
+# the tails this pushed out (their blobs are for the caller to delete), or false when
+# the tail was already indexed.
+# KEYS: chunk hash, lru, bytes, tails hash; ARGV: ns, index, size, created, score, key,
+# parent, tokens, cap, key prefix.
+_ADD_TAIL = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+redis.call('HSET', KEYS[1], 'ns', ARGV[1], 'index', ARGV[2], 'size', ARGV[3], 'created', ARGV[4], 'parent', ARGV[7])
+redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
+redis.call('INCRBY', KEYS[3], ARGV[3])
+redis.call('HSET', KEYS[4], ARGV[6], ARGV[8])
+local out = {}
+local cap = tonumber(ARGV[9])
+while redis.call('HLEN', KEYS[4]) > cap do
+  local names = redis.call('HKEYS', KEYS[4])
+  local scores = redis.call('ZMSCORE', KEYS[2], unpack(names))
+  local worst, worst_score = nil, nil
+  for i, n in ipairs(names) do
+    local sc = scores[i] and tonumber(scores[i]) or -1
+    if n ~= ARGV[6] and (worst_score == nil or sc < worst_score) then worst, worst_score = n, sc end
+  end
+  if worst == nil then break end
+  local chunk = ARGV[10] .. 'chunk:' .. worst
+  local size = redis.call('HGET', chunk, 'size')
+  if size then redis.call('DECRBY', KEYS[3], size) end
+  redis.call('DEL', chunk)
+  redis.call('ZREM', KEYS[2], worst)
+  redis.call('HDEL', KEYS[4], worst)
+  out[#out + 1] = worst
+end
+return out
+"""
+
+# How many leading chunks are indexed, and the tails of the deepest one (or of the
+# namespace, at depth 0). KEYS: lru; ARGV: key prefix, namespace hex, chain key hexes.
+_LOOKUP = """
+local depth = 0
+for i = 3, #ARGV do
+  if not redis.call('ZSCORE', KEYS[1], ARGV[i]) then break end
+  depth = depth + 1
+end
+return {depth, redis.call('HGETALL', ARGV[1] .. 'tails:' .. ARGV[2 + depth])}
 """
 
 
@@ -79,6 +137,21 @@ class IndexEntry:
     size: int
     created: float
     accessed: float
+    parent: bytes | None = None
+    """Set for a tail only: the chunk it hangs from."""
+
+    @property
+    def tail(self) -> bool:
+        return self.parent is not None
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What one round trip tells about a chain: its stored depth and the tails of its deepest stored chunk."""
+
+    depth: int
+    tails: dict[bytes, np.ndarray]
+    """Tail key -> its tokens."""
 
 
 class RedisIndex:
@@ -90,7 +163,9 @@ class RedisIndex:
         kwargs = client.connection_pool.connection_kwargs
         self.endpoint = f"redis://{kwargs.get('host', kwargs.get('path', '?'))}:{kwargs.get('port', '')}/{kwargs.get('db', 0)}"
         self._add = client.register_script(_ADD)
+        self._add_tail = client.register_script(_ADD_TAIL)
         self._remove = client.register_script(_REMOVE)
+        self._lookup = client.register_script(_LOOKUP)
 
     @classmethod
     def from_url(cls, url: str, *, connect_timeout_s: float = 2.0, read_timeout_s: float = 10.0) -> RedisIndex:
@@ -122,12 +197,21 @@ class RedisIndex:
         flags = self.present(keys)
         return flags.index(False) if False in flags else len(flags)
 
-    def touch(self, keys: Sequence[bytes], now: float | None = None) -> None:
-        """Mark a chain prefix ``keys[0..]`` as used now; entries that are gone stay gone."""
-        if not keys:
+    def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> Lookup:
+        """The stored depth of chain ``keys`` and the tails hanging from its deepest stored chunk, in one round trip."""
+        args = [self.prefix, namespace.hex(), *[k.hex() for k in keys]]
+        depth, flat = self._call(lambda: self._lookup(keys=[self.lru_key], args=args))
+        tails = {bytes.fromhex(flat[i].decode()): np.frombuffer(flat[i + 1], "<i4") for i in range(0, len(flat), 2)}
+        return Lookup(int(depth), tails)
+
+    def touch(self, keys: Sequence[bytes], now: float | None = None, *, tail: bytes | None = None) -> None:
+        """Mark a chain prefix ``keys[0..]`` (and a tail hanging from it) as used now; entries that are gone stay gone."""
+        if not keys and tail is None:
             return
         t = time.time() if now is None else now
         mapping = {k.hex(): lru_score(t, depth) for depth, k in enumerate(keys)}
+        if tail is not None:
+            mapping[tail.hex()] = lru_score(t, TAIL_DEPTH)
 
         self._call(lambda: self.r.zadd(self.lru_key, mapping, xx=True, gt=True))
 
@@ -137,16 +221,26 @@ class RedisIndex:
         args = [namespace.hex(), index, size, repr(t), lru_score(t, index), key.hex()]
         return bool(self._call(lambda: self._add(keys=[self._chunk(key), self.lru_key, self.bytes_key], args=args)))
 
+    def add_tail(
+        self, key: bytes, namespace: bytes, index: int, parent: bytes, tokens: bytes, size: int, *, cap: int, now: float | None = None
+    ) -> list[bytes] | None:
+        """Index one stored tail (``tokens``: its little-endian int32 token ids), keeping ``cap`` per parent.
+
+        Returns the keys of the older tails of the same parent that it pushed out (their
+        blobs are the caller's to delete), or None when the tail was already indexed.
+        """
+        t = time.time() if now is None else now
+        args = [namespace.hex(), index, size, repr(t), lru_score(t, TAIL_DEPTH), key.hex(), parent.hex(), tokens, cap, self.prefix]
+        keys = [self._chunk(key), self.lru_key, self.bytes_key, f"{self.prefix}tails:{parent.hex()}"]
+        out = self._call(lambda: self._add_tail(keys=keys, args=args))
+        return None if out is None else [bytes.fromhex(k.decode()) for k in out]
+
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop entries; returns the bytes they accounted for."""
         if not keys:
             return 0
-        hex_keys = [k.hex() for k in keys]
-        return int(
-            self._call(
-                lambda: self._remove(keys=[self.lru_key, *[self._chunk(k) for k in keys]], args=[*hex_keys, self.bytes_key])
-            )
-        )
+        args = [self.bytes_key, self.prefix, *[k.hex() for k in keys]]
+        return int(self._call(lambda: self._remove(keys=[self.lru_key, *[self._chunk(k) for k in keys]], args=args)))
 
     def contains(self, key: bytes) -> bool:
         return self._call(lambda: self.r.zscore(self.lru_key, key.hex())) is not None
@@ -207,6 +301,7 @@ def _entry(key: bytes, h: dict[bytes, bytes], score: float) -> IndexEntry:
         size=int(h[b"size"]),
         created=float(h[b"created"]),
         accessed=score_time(score),
+        parent=bytes.fromhex(h[b"parent"].decode()) if b"parent" in h else None,
     )
 
 

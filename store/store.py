@@ -1,7 +1,9 @@
 """The store: chunks of prompt state in a blob backend, found through the Redis index.
 
-Readers call `lookup` (how deep does the store hold this chain?) and then `fetch`
-(the verified payloads of a run of chunks). Writers call `publish`. Every blob is
+Readers call `find` (how far, to the token, does the store hold this prompt?) and then
+`fetch_prefix` (the verified payloads of a run of chunks and of the tail that `find`
+chose); `lookup` and `fetch` do the same for full chunks only. Writers call `publish`
+for full chunks and `publish_tail` for a prompt's partial last chunk. Every blob is
 checked against the exact chain position it is fetched for before its payload is
 returned; a blob that fails is counted, dropped from the index, moved to
 ``quarantine/`` and treated as the end of the usable prefix.
@@ -21,16 +23,26 @@ import numpy as np
 from store import metrics
 from store.backend import BlobBackend, open_backend
 from store.blob import BlobName, decode_blob, encode_blob, verify_blob
-from store.chain import Namespace
+from store.chain import Namespace, tail_key, token_bytes
 from store.errors import BlobCorrupt, BlobMismatch, BlobMissing, StoreUnavailable
 from store.index import IndexEntry, RedisIndex
 from store.settings import StoreSettings
+from store.tails import Hit, TailMatch, best_tail
 
 log = logging.getLogger("kvpool.store")
 
 CHUNKS_PREFIX = "chunks/"
+TAILS_PREFIX = "tails/"
 QUARANTINE_PREFIX = "quarantine/"
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Fetched:
+    chunks: list[memoryview]
+    """Verified payloads of the longest good run of chunks asked for."""
+    tail: memoryview | None = None
+    """The verified payload of the tail asked for, when every chunk before it was good."""
 
 
 @dataclass(frozen=True)
@@ -48,10 +60,19 @@ class VerifyResult:
 
 
 class Store:
-    def __init__(self, backend: BlobBackend, index: RedisIndex, *, io_threads: int = 8, max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        backend: BlobBackend,
+        index: RedisIndex,
+        *,
+        io_threads: int = 8,
+        max_bytes: int | None = None,
+        tails_per_chunk: int = 8,
+    ) -> None:
         self.backend = backend
         self.index = index
         self.max_bytes = max_bytes
+        self.tails_per_chunk = tails_per_chunk
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvpool-store")
 
     @classmethod
@@ -60,7 +81,13 @@ class Store:
         index = RedisIndex.from_url(
             settings.redis_url, connect_timeout_s=settings.connect_timeout_s, read_timeout_s=settings.read_timeout_s
         )
-        return cls(open_backend(settings), index, io_threads=settings.io_threads, max_bytes=settings.store_max_bytes)
+        return cls(
+            open_backend(settings),
+            index,
+            io_threads=settings.io_threads,
+            max_bytes=settings.store_max_bytes,
+            tails_per_chunk=settings.tails_per_chunk,
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -82,6 +109,61 @@ class Store:
         metrics.TOKENS.labels("hit").inc(depth * ns.chunk_size)
         metrics.TOKENS.labels("miss").inc((len(keys) - depth) * ns.chunk_size)
         return depth
+
+    def find(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes]) -> Hit:
+        """How far the store holds this prompt, to the token: its deepest stored chunk, then the best tail from there."""
+        metrics.LOOKUPS.inc()
+        found = self._guard("redis", lambda: self.index.lookup(ns.key, keys))
+        c = ns.chunk_size
+        hit = Hit(found.depth, c, best_tail(found.tails, tokens[found.depth * c :]))
+        metrics.CHUNKS.labels("hit").inc(hit.depth)
+        metrics.CHUNKS.labels("miss").inc(len(keys) - hit.depth)
+        metrics.TOKENS.labels("hit").inc(hit.tokens)
+        metrics.TOKENS.labels("miss").inc(max(0, len(tokens) - hit.tokens))
+        return hit
+
+    def fetch_prefix(
+        self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes], start: int, hit: Hit
+    ) -> Fetched:
+        """`fetch` for chunks ``start..hit.depth-1``, with ``hit``'s tail fetched alongside and verified as strictly."""
+        name = str(BlobName(ns.key, hit.depth, hit.tail.key, tail=True)) if hit.tail else None
+        pending = self._pool.submit(self._timed_get, name) if name else None
+        try:
+            chunks = self.fetch(ns, tokens, keys, start, hit.depth)
+        except BaseException:
+            if pending:
+                pending.cancel()
+            raise
+        if pending is None or hit.tail is None or name is None or start + len(chunks) < hit.depth:
+            return Fetched(chunks)
+        return Fetched(chunks, self._verified_tail(ns, keys, hit.depth, hit.tail, name, pending.result))
+
+    def _verified_tail(
+        self, ns: Namespace, keys: Sequence[bytes], depth: int, tail: TailMatch, name: str, get: Callable[[], bytes]
+    ) -> memoryview | None:
+        try:
+            data = get()
+        except BlobMissing:
+            metrics.STALE.inc()
+            log.warning("tail.missing", extra={"chunk": tail.key.hex(), "index": depth})
+            self._drop_quietly([tail.key])
+            return None
+        except StoreUnavailable as e:
+            metrics.UNAVAILABLE.labels("backend").inc()
+            log.warning("fetch.unavailable", extra={"endpoint": e.endpoint, "reason": e.reason, "index": depth})
+            return None
+        try:
+            payload = verify_blob(
+                data, namespace=ns.key, index=depth, parent=ns.parent_of(keys, depth), key=tail.key, tokens=tail.tokens, tail=True
+            )
+        except (BlobCorrupt, BlobMismatch) as e:
+            metrics.CORRUPT.labels("corrupt" if isinstance(e, BlobCorrupt) else "mismatch").inc()
+            log.error("chunk.rejected", extra={"chunk": tail.key.hex(), "index": depth, "tail": True, "reason": str(e)})
+            self._quarantine(name, data, tail.key)
+            return None
+        metrics.BYTES_READ.inc(len(data))
+        self._touch_quietly(keys[:depth], tail=tail.key)
+        return payload
 
     def fetch(
         self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes], start: int, stop: int
@@ -177,6 +259,38 @@ class Store:
             self.gc(self.max_bytes)
         return added
 
+    def publish_tail(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes], payload: bytes) -> bool:
+        """Store the prompt's partial last chunk, ``tokens[len(keys)*C:]``; returns whether it was new.
+
+        Keeps the ``tails_per_chunk`` most recently used tails of each chunk: the blobs of
+        the tails this one pushes out are deleted.
+        """
+        depth, c = len(keys), ns.chunk_size
+        rest = tokens[depth * c :]
+        if not 0 < len(rest) < c:
+            raise ValueError(f"a tail holds 1 to {c - 1} tokens, not {len(rest)}")
+        parent = ns.parent_of(keys, depth)
+        key = tail_key(parent, rest)
+        if self._guard("redis", lambda: self.index.present([key]))[0]:
+            self._touch_quietly(keys, tail=key)
+            return False
+        name = str(BlobName(ns.key, depth, key, tail=True))
+        blob = encode_blob(ns.key, depth, parent, rest, payload, tail=True)
+        t0 = time.perf_counter()
+        self.backend.put(name, blob)
+        metrics.REQUEST_SECONDS.labels("put").observe(time.perf_counter() - t0)
+        metrics.BYTES_WRITTEN.inc(len(blob))
+        raw = token_bytes(rest)
+        pushed = self._guard(
+            "redis", lambda: self.index.add_tail(key, ns.key, depth, parent, raw, len(blob), cap=self.tails_per_chunk)
+        )
+        for old in pushed or []:
+            self._delete_quietly(str(BlobName(ns.key, depth, old, tail=True)))
+        self._touch_quietly(keys, tail=key)
+        if self.max_bytes is not None:
+            self.gc(self.max_bytes)
+        return pushed is not None
+
     # -- maintenance -----------------------------------------------------------
 
     def gc(self, max_bytes: int) -> GcResult:
@@ -193,7 +307,8 @@ class Store:
                     break
                 victims.append(e)
             freed_now = self.index.remove([v.key for v in victims])
-            for fut in [self._pool.submit(self.backend.delete, str(BlobName(v.namespace, v.index, v.key))) for v in victims]:
+            names = [str(BlobName(v.namespace, v.index, v.key, v.tail)) for v in victims]
+            for fut in [self._pool.submit(self.backend.delete, n) for n in names]:
                 fut.result()
             evicted += len(victims)
             freed += freed_now
@@ -210,6 +325,8 @@ class Store:
 
         Access times are lost with the old index: every chunk gets the same time, so
         eviction afterwards takes the deepest chunks first and still leaves no holes.
+        Tails are deleted, not indexed: their tokens are not in their names, and the next
+        request that ends in one stores it again.
         """
         self.index.clear()
         now = time.time()
@@ -219,6 +336,8 @@ class Store:
             if name is None:
                 continue
             n += self.index.add(name.key, name.namespace, name.index, obj.size, now=now)
+        for obj in self.backend.list(TAILS_PREFIX):
+            self._delete_quietly(obj.name)
         metrics.BYTES_STORED.set(self.index.total_bytes())
         log.info("store.reindex", extra={"chunks": n})
         return n
@@ -227,7 +346,7 @@ class Store:
         """Read and check every indexed blob; with ``repair``, drop and quarantine the bad ones."""
         result = VerifyResult()
         for e in self.index.entries():
-            name = str(BlobName(e.namespace, e.index, e.key))
+            name = str(BlobName(e.namespace, e.index, e.key, e.tail))
             result.checked += 1
             try:
                 data = self.backend.get(name)
@@ -238,7 +357,7 @@ class Store:
                 continue
             try:
                 header, _ = decode_blob(data)
-                if (header.namespace, header.index, header.key) != (e.namespace, e.index, e.key):
+                if (header.namespace, header.index, header.key, header.tail) != (e.namespace, e.index, e.key, e.tail):
                     raise BlobMismatch("header does not match the name it is stored under")
             except (BlobCorrupt, BlobMismatch) as err:
                 result.bad.append((name, str(err)))
@@ -253,7 +372,8 @@ class Store:
         return {
             "backend": self.backend.endpoint,
             "index": self.index.endpoint,
-            "chunks": len(entries),
+            "chunks": sum(not e.tail for e in entries),
+            "tails": sum(e.tail for e in entries),
             "bytes": total,
             "namespaces": len({e.namespace for e in entries}),
             "deepest_chunk": max((e.index for e in entries), default=-1) + 1,
@@ -283,9 +403,15 @@ class Store:
         except StoreUnavailable as e:
             log.warning("index.unavailable", extra={"endpoint": e.endpoint, "reason": e.reason})
 
-    def _touch_quietly(self, keys: Sequence[bytes]) -> None:
+    def _delete_quietly(self, name: str) -> None:
         try:
-            self.index.touch(keys)
+            self.backend.delete(name)
+        except StoreUnavailable as e:
+            log.warning("delete.failed", extra={"blob": name, "reason": e.reason})
+
+    def _touch_quietly(self, keys: Sequence[bytes], *, tail: bytes | None = None) -> None:
+        try:
+            self.index.touch(keys, tail=tail)
         except StoreUnavailable as e:
             log.warning("index.unavailable", extra={"endpoint": e.endpoint, "reason": e.reason})
 

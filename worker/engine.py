@@ -302,22 +302,24 @@ class Engine(PrefixFinder):
             log.exception("settle.failed")
             self.forget_context()
             return
-        if pos == len(held) and len(held) // ns.chunk_size > len(tokens) // ns.chunk_size:
+        if pos == len(held):
             self._publish(ns, held, Plan())
 
     # -- publishing -------------------------------------------------------------
 
     def _publish(self, ns: Namespace, tokens: list[int], plan: Plan) -> None:
-        """Hand the prompt's state to the background publisher, once a job; it stores the full chunks the store lacks.
+        """Hand the prompt's state to the background publisher, once a job; it stores what the store lacks.
 
-        Called just after the first token is out (the snapshot takes milliseconds), or at the
-        end when no token came. Only the prompt is published: the cells of generated tokens
-        come from one-token batches, so they are not what a cold evaluation would hold.
+        That is the full chunks and the partial last one (the tail), so that any worker can
+        resume at this prompt's last token. Called just after the first token is out (the
+        snapshot takes milliseconds), or at the end when no token came. Only the prompt is
+        published: the cells of generated tokens come from one-token batches, so they are
+        not what a cold evaluation would hold (`settle` publishes them once re-evaluated).
         """
         if plan.published or self.publisher is None or not self.restore_enabled:
             return
         plan.published = True
-        if len(tokens) < ns.chunk_size or plan.store_depth >= len(tokens) // ns.chunk_size:
+        if plan.store_tokens >= len(tokens):
             return
         try:
             state = read_seq_state(self.llm)

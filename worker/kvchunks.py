@@ -275,26 +275,46 @@ def cut_state(state: Buffer, chunk_size: int, start_chunk: int = 0, stop_chunk: 
         raise ValueError(f"chunks [{start_chunk}, {stop}) are not within the {n_full} full chunks of the state")
     if start_chunk == stop:
         return []
-    order = _position_order(p.positions)
+    return _cut(p, start_chunk * chunk_size, stop - start_chunk, chunk_size)
 
-    n_chunks, layout = stop - start_chunk, p.layout
-    lo, hi = start_chunk * chunk_size, stop * chunk_size
+
+def cut_cells(state: Buffer, start: int, stop: int) -> bytes:
+    """One payload holding the cells at positions ``start..stop-1`` (a prompt's tail, say)."""
+    p = _parse_state(state)
+    if not 0 <= start < stop <= p.n_cells:
+        raise ValueError(f"cells [{start}, {stop}) are not within the {p.n_cells} cells of the state")
+    return _cut(p, start, 1, stop - start)[0]
+
+
+def head_cells(payload: Buffer, n: int) -> bytes:
+    """A payload of the first ``n`` cells of ``payload`` (the part of a tail that a prompt shares)."""
+    layout, n_cells = _payload_head(payload)
+    if not 0 < n <= n_cells:
+        raise ValueError(f"cannot take {n} of the {n_cells} cells of a payload")
+    if n == n_cells:
+        return bytes(payload)
+    at = layout.header_bytes
+    return layout._header(n) + bytes(memoryview(payload)[at : at + n * layout.bytes_per_token])
+
+
+def _cut(p: _Parsed, lo: int, n_chunks: int, width: int) -> list[bytes]:
+    """Payloads of ``n_chunks`` runs of ``width`` cells, from position ``lo`` on."""
+    order = _position_order(p.positions)
+    layout, hi = p.layout, lo + n_chunks * width
     rows: slice | np.ndarray = slice(lo, hi) if order is None else order[lo:hi]
 
-    header = np.frombuffer(layout._header(chunk_size), np.uint8)
+    header = np.frombuffer(layout._header(width), np.uint8)
     h, bpt = header.size, layout.bytes_per_token
-    out = np.empty((n_chunks, h + chunk_size * bpt), np.uint8)
+    out = np.empty((n_chunks, h + width * bpt), np.uint8)
     out[:, :h] = header
 
-    def dest(start: int, width: int, dtype: type = np.uint8) -> np.ndarray:
-        """Field ``[start, start+width)`` bytes of every token record, as (chunk, token, width)."""
+    def dest(start: int, nbytes: int, dtype: type = np.uint8) -> np.ndarray:
+        """Field ``[start, start+nbytes)`` bytes of every token record, as (chunk, token, nbytes)."""
         item = np.dtype(dtype).itemsize
-        return np.ndarray(
-            (n_chunks, chunk_size, width // item), dtype, out, h + start, (out.strides[0], bpt, item)
-        )
+        return np.ndarray((n_chunks, width, nbytes // item), dtype, out, h + start, (out.strides[0], bpt, item))
 
     def gather(src: np.ndarray) -> np.ndarray:
-        return src[rows].reshape(n_chunks, chunk_size, -1)
+        return src[rows].reshape(n_chunks, width, -1)
 
     dest(0, layout.cell_meta_bytes)[...] = gather(p.meta)
     for lay, (k_at, v_at), keys, values in zip(layout.layers, layout._field_offsets(), p.keys, p.values):

@@ -2,9 +2,11 @@
 
 `PrefixFinder` is the part of `worker.engine.Engine` that decides how many prompt cells
 a job keeps. Its own context counts only where the cells are exact (same tenant, cells
-from prompt batches, see ``Engine.exact_upto``); the store counts when it holds more
-full chunks than that, which are fetched, verified, joined with the local chunks and
-restored in one go. The last two prompt tokens are never kept (`keepable`).
+from prompt batches, see ``Engine.exact_upto``); the store counts when it holds more of
+the prompt than that: full chunks, then the stored tail that matches the prompt furthest
+(`store.tails`), so a worker resumes at the exact token another one reached. What the
+store adds is fetched, verified, joined with the local chunks and restored in one go.
+The last two prompt tokens are never kept (`keepable`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import numpy as np
 
 from store.chain import Namespace
 from store.errors import StoreError, StoreUnavailable
-from store.store import Store
+from store.store import Fetched, Store
+from store.tails import Hit
 from worker import metrics
-from worker.kvchunks import StateFormatError, cut_state, join_state
+from worker.kvchunks import StateFormatError, cut_state, head_cells, join_state
 from worker.llama_state import KvLayout, StateReadError, StateRestoreError, read_seq_state, restore_seq_state
 
 log = logging.getLogger("kvpool.worker")
@@ -31,6 +34,8 @@ class Plan:
     cached_context: int = 0
     cached_store: int = 0
     store_depth: int = 0
+    store_tokens: int = 0
+    """Leading prompt tokens the store holds, to the token (full chunks and a tail)."""
     store_status: str = "ok"
     published: bool = False
     timings: dict[str, float] = field(default_factory=dict)
@@ -64,9 +69,9 @@ class PrefixFinder:
         plan = Plan(store_status="ok" if self.store else "disabled")
         n_local = self._local_prefix(ns, tokens)
         plan.cached_context = min(n_local, keepable(tokens))
-        depth = self._store_depth(ns, keys, plan)
-        if depth * ns.chunk_size > n_local:
-            self._restore(ns, tokens, keys, n_local, plan)
+        hit = self._store_hit(ns, tokens, keys, plan)
+        if hit is not None and min(hit.tokens, keepable(tokens)) > plan.cached_context:
+            self._restore(ns, tokens, keys, n_local, hit, plan)
         return plan
 
     def _local_prefix(self, ns: Namespace, tokens: list[int]) -> int:
@@ -83,39 +88,45 @@ class PrefixFinder:
         diff = np.flatnonzero(held[:upto] != np.asarray(tokens[:upto]))
         return int(diff[0]) if diff.size else upto
 
-    def _store_depth(self, ns: Namespace, keys: list[bytes], plan: Plan) -> int:
-        """How many leading chunks the store holds; 0 when it cannot help."""
-        if self.store is None or not keys:
-            return 0
+    def _store_hit(self, ns: Namespace, tokens: list[int], keys: list[bytes], plan: Plan) -> Hit | None:
+        """How much of the prompt the store holds; None when it cannot help."""
+        if self.store is None or len(tokens) < 3:
+            return None
         if not self.restore_enabled:
             metrics.COLD_FALLBACKS.labels(**self.labels, reason="restore_disabled").inc()
-            return 0
+            return None
         t0 = time.perf_counter()
         try:
-            plan.store_depth = self.store.lookup(ns, keys)
+            hit = self.store.find(ns, tokens, keys)
         except StoreUnavailable as e:
             plan.store_status = "unavailable"
             metrics.COLD_FALLBACKS.labels(**self.labels, reason="store_unavailable").inc()
             log.warning("store.unavailable", extra={"endpoint": e.endpoint, "reason": e.reason})
-            return 0
+            return None
         plan.timings["lookup"] = time.perf_counter() - t0
-        return plan.store_depth
+        plan.store_depth, plan.store_tokens = hit.depth, hit.tokens
+        return hit
 
-    def _restore(self, ns: Namespace, tokens: list[int], keys: list[bytes], n_local: int, plan: Plan) -> None:
-        """Fetch the chunks past the local ones, join them with the local chunks and restore the whole prefix."""
+    def _restore(self, ns: Namespace, tokens: list[int], keys: list[bytes], n_local: int, hit: Hit, plan: Plan) -> None:
+        """Fetch what the store adds past the local chunks, join it with them and restore the whole prefix."""
         c = ns.chunk_size
         local_chunks = n_local // c
         t1 = time.perf_counter()
         try:
-            remote = self.store.fetch(ns, tokens, keys, local_chunks, plan.store_depth) if self.store else []
+            got = self.store.fetch_prefix(ns, tokens, keys, local_chunks, hit) if self.store else Fetched([])
         except StoreError as e:
             plan.store_status = "unavailable"
             log.warning("store.fetch_failed", extra={"reason": str(e)})
-            remote = []
+            got = Fetched([])
         plan.timings["fetch"] = time.perf_counter() - t1
-        if local_chunks + len(remote) < plan.store_depth:
+        if local_chunks + len(got.chunks) < hit.depth or (hit.tail is not None and got.tail is None):
             metrics.COLD_FALLBACKS.labels(**self.labels, reason="fetch_failed").inc()
+        remote: list[memoryview | bytes] = list(got.chunks)
         n_restore = (local_chunks + len(remote)) * c
+        tail_cells = min(hit.tail.usable, keepable(tokens) - n_restore) if hit.tail and got.tail is not None else 0
+        if tail_cells > 0:
+            remote.append(head_cells(got.tail, tail_cells))  # type: ignore[arg-type]
+            n_restore += tail_cells
         if n_restore <= n_local:
             return
         t2 = time.perf_counter()

@@ -1,7 +1,8 @@
-"""Publishing in the background: new full chunks go to the store while generation goes on.
+"""Publishing in the background: new chunks go to the store while generation goes on.
 
 The engine hands over a copy of the sequence state (a memcpy, milliseconds) and moves
-on; a thread finds which chunks the store lacks, cuts just those and publishes them.
+on; a thread finds which full chunks, and whether the partial last chunk (the tail),
+the store lacks, cuts just those and publishes them.
 When the store is slow and tasks pile up past the queue bound, new tasks are dropped
 and counted rather than holding up a job: the next request simply re-publishes.
 """
@@ -14,11 +15,11 @@ import threading
 import time
 from collections.abc import Sequence
 
-from store.chain import Namespace
+from store.chain import Namespace, tail_key
 from store.errors import StoreError
 from store.store import Store
 from worker import metrics
-from worker.kvchunks import Buffer, StateFormatError, cut_state
+from worker.kvchunks import Buffer, StateFormatError, cut_cells, cut_state
 
 log = logging.getLogger("kvpool.worker.publish")
 
@@ -76,13 +77,22 @@ class Publisher:
     def _publish(self, ns: Namespace, tokens: list[int], state: Buffer) -> None:
         t0 = time.perf_counter()
         keys = ns.chain(tokens)
-        present = self.store.index.present(keys)
+        end = len(keys) * ns.chunk_size
+        tail = tail_key(ns.parent_of(keys, len(keys)), tokens[end:]) if end < len(tokens) else None
+        present = self.store.index.present([*keys, *([tail] if tail else [])])
         if all(present):
             return
         first = present.index(False)
-        payloads = cut_state(state, ns.chunk_size, first, len(keys))
-        todo = {i: p for i, p in zip(range(first, len(keys)), payloads) if not present[i]}
+        todo = {}
+        if first < len(keys):
+            payloads = cut_state(state, ns.chunk_size, first, len(keys))
+            todo = {i: p for i, p in zip(range(first, len(keys)), payloads) if not present[i]}
         added = self.store.publish(ns, tokens, keys, todo)
+        sent = sum(len(p) for p in todo.values())
+        if tail is not None and not present[-1]:
+            payload = cut_cells(state, end, len(tokens))
+            added += self.store.publish_tail(ns, tokens, keys, payload)
+            sent += len(payload)
         metrics.PUBLISH_SECONDS.labels(**self.labels).observe(time.perf_counter() - t0)
-        metrics.PUBLISH_BYTES.labels(**self.labels).inc(sum(len(p) for p in todo.values()))
-        log.info("publish.done", extra={"chunks": added, "from_chunk": first, "to_chunk": len(keys)})
+        metrics.PUBLISH_BYTES.labels(**self.labels).inc(sent)
+        log.info("publish.done", extra={"chunks": added, "from_chunk": first, "to_chunk": len(keys), "tail": tail is not None})

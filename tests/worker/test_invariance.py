@@ -4,8 +4,8 @@ On the real model (SmolLM2-135M-Instruct, default f16 KV layout, chunks of 256, 
 of 512), for prompts whose lengths sit on both sides of chunk and batch boundaries:
 the first sampled token's logits are bit-identical, and so is the greedy continuation,
 whether the prompt was evaluated from scratch, resumed from the worker's own context
-(leaving one, two or three tokens to evaluate) or restored from the store by a worker
-that never saw it. Lengths of ``k * 512 + 1`` are the cold prompts whose plain batch
+(leaving one, two or three tokens to evaluate) or restored from the store, to the token,
+by a worker that never saw it (full chunks plus the stored tail of the prompt). Lengths of ``k * 512 + 1`` are the cold prompts whose plain batch
 split would end on a single token.
 
 This depends on llama.cpp's CPU kernels giving the same bits for every batch of two or
@@ -70,6 +70,8 @@ class Runner:
         )
         result = self.engine.run(spec, emit)
         self.engine.settle(job_waiting)  # as the worker does once the answer is out
+        if self.engine.publisher is not None:
+            assert self.engine.publisher.wait_idle(), "publishing did not finish"
         assert seen, "no token was generated"
         return Answer(seen[0], result.tokens, result.usage.cached_from_context, result.usage.cached_from_store)
 
@@ -126,7 +128,7 @@ def test_cold_reuse_and_restore_give_the_same_bits(runners: dict[str, Runner], d
     restore = runners["restore"]
     restore.engine.forget_context()
     restored = restore.ask(prompt)
-    assert restored.cached_store == min(n // CHUNK * CHUNK, n - 2) and restored.cached_context == 0
+    assert restored.cached_store == n - 2 and restored.cached_context == 0, "resumed at the exact token"
 
     for how, answer in (("context reuse", reused), ("store restore", restored)):
         assert np.array_equal(answer.logits, cold.logits), f"{how}: max |dlogit| {np.abs(answer.logits - cold.logits).max():.3g}"
@@ -143,19 +145,36 @@ def test_a_resent_prompt_is_answered_alike(runners: dict[str, Runner], document:
 
 
 def test_the_next_turn_resumes_after_the_completion_with_the_same_bits(runners: dict[str, Runner], document: list[int]) -> None:
-    """Generated tokens were decoded one at a time; settled as prompt, they serve the next turn exactly."""
+    """Generated tokens were decoded one at a time; settled as prompt, they serve the next turn exactly, on any worker."""
     reuse, restore = runners["reuse"], runners["restore"]
     first = reuse.ask(document[:300])
     turn = document[:300] + first.tokens + document[300:340]
-    nxt = reuse.ask(turn)
-    assert nxt.cached_context == 300 + len(first.tokens)
     restore.engine.forget_context()
     elsewhere = restore.ask(turn)
-    assert elsewhere.cached_store == (300 + len(first.tokens)) // CHUNK * CHUNK
+    assert elsewhere.cached_store == 300 + len(first.tokens), "another worker resumes where the completion ended"
+    nxt = reuse.ask(turn)
+    assert nxt.cached_context + nxt.cached_store == len(turn) - 2, "the worker that saw the turn published it whole"
     runners["cold"].engine.forget_context()
     cold = runners["cold"].ask(turn)
     for answer in (nxt, elsewhere):
         assert np.array_equal(answer.logits, cold.logits) and answer.tokens == cold.tokens
+
+
+def test_a_tail_serves_every_prompt_that_shares_its_first_tokens(runners: dict[str, Runner], document: list[int]) -> None:
+    """A document asked two questions: the second, on another worker, resumes where the two prompts part."""
+    reuse, restore = runners["reuse"], runners["restore"]
+    doc = document[1100:1500]
+    reuse.ask(doc + document[40:60])
+    restore.engine.forget_context()
+    second = restore.ask(doc + document[80:95])
+    assert second.cached_store == len(doc) + _shared(document[40:60], document[80:95])
+    runners["cold"].engine.forget_context()
+    cold = runners["cold"].ask(doc + document[80:95])
+    assert np.array_equal(second.logits, cold.logits) and second.tokens == cold.tokens
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def test_settling_is_idle_time_work_that_yields_to_a_waiting_job(runners: dict[str, Runner], document: list[int]) -> None:
