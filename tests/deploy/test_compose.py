@@ -355,7 +355,7 @@ def test_model_job_leaves_s3_models_to_the_workers(shell: str, services: dict[st
 def test_createbucket_job(shell: str, store_url: str, services: dict[str, Any], tmp_path: Path) -> None:
     """Runs the createbucket script with a stand-in `mc`: it creates the store's bucket and expires exactly the store's quarantine/ keys."""
     from store.s3 import S3Backend
-    from store.store import QUARANTINE_PREFIX
+    from store.maintenance import QUARANTINE_PREFIX
 
     job = services["createbucket"]
     env = df.environment(job)

@@ -6,7 +6,14 @@ import sys
 import numpy as np
 import pytest
 
-from store.chain import KVLayout, Namespace, chain_keys, chunk_key, namespace_key, token_bytes
+from store.chain import (
+    KVLayout,
+    Namespace,
+    chain_keys,
+    chunk_key,
+    namespace_key,
+    token_bytes,
+)
 
 NS = Namespace("fingerprint-0", KVLayout.of("f16", "f16", False), chunk_size=4, tenant_salt="")
 

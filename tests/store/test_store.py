@@ -5,9 +5,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+
 from store.blob import BlobName
 from store.chain import KVLayout, Namespace
-from store.store import QUARANTINE_PREFIX, Store
+from store.maintenance import QUARANTINE_PREFIX
+from store.store import Store
 
 NS = Namespace("fp", KVLayout.of("f16", "f16", False), chunk_size=8)
 

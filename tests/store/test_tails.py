@@ -15,7 +15,8 @@ import pytest
 from store.blob import BlobName, decode_blob, encode_blob, verify_blob
 from store.chain import KVLayout, Namespace, chunk_key, tail_key
 from store.errors import BlobMismatch
-from store.store import QUARANTINE_PREFIX, Store
+from store.maintenance import QUARANTINE_PREFIX
+from store.store import Store
 from store.tails import best_tail
 
 NS = Namespace("fp", KVLayout.of("f16", "f16", False), chunk_size=8)
