@@ -57,6 +57,7 @@ from worker.llama_state import (
 )
 from worker.protocol import JobRejected, JobResult, JobSpec, TokenEvent, Timings, Usage
 from worker.namespace import chain_layout
+from worker.leases import EvalRate, Leases
 from worker.prefix import Plan, PrefixFinder
 from worker.publisher import Publisher
 from worker.settings import WorkerSettings
@@ -128,6 +129,8 @@ class Engine(PrefixFinder):
         metrics.EXACT.labels(**self.labels).set(int(self.exact))
         metrics.INFO.info({**self.labels, "restore": str(self.restore_enabled).lower(), "worker": name})
         self.publisher = Publisher(store, settings.publish_queue, self.labels) if store and settings.publish else None
+        self.eval_rate = EvalRate()
+        self.leases = Leases(store.index.r, name, settings.lease_s) if self.publisher and settings.coalesce else None
 
     def namespace(self, tenant_salt: str) -> Namespace:
         return Namespace(self.fingerprint, self.layout, self.settings.chunk_size, tenant_salt)
@@ -147,6 +150,8 @@ class Engine(PrefixFinder):
     def close(self) -> None:
         if self.publisher is not None:
             self.publisher.close()
+        if self.leases is not None:
+            self.leases.close()
         self.llm.close()
 
     # -- a job -------------------------------------------------------------------
@@ -160,13 +165,17 @@ class Engine(PrefixFinder):
         if [k.hex() for k in keys] != spec.chain:
             raise JobRejected("chain keys disagree with the tokens (different model, chunk size or tenant salt?)")
 
-        plan = self._prepare(ns, tokens, keys)
-        self._count_prompt(plan, len(tokens))
-        t_eval = time.perf_counter()
-        evaluate_prompt(self.llm, tokens, plan.start)
-        self.context_tenant, self.exact_upto = spec.tenant_salt, len(tokens)
-        out = self._generate(spec, emit, lambda: self._publish(ns, tokens, plan))
-        self._publish(ns, tokens, plan)
+        plan = self._coalesce(ns, tokens, keys, self._prepare(ns, tokens, keys))
+        try:
+            self._count_prompt(plan, len(tokens))
+            t_eval = time.perf_counter()
+            evaluate_prompt(self.llm, tokens, plan.start)
+            self.eval_rate.observe(len(tokens) - plan.start, time.perf_counter() - t_eval)
+            self.context_tenant, self.exact_upto = spec.tenant_salt, len(tokens)
+            out = self._generate(spec, emit, lambda: self._publish(ns, tokens, plan))
+            self._publish(ns, tokens, plan)
+        finally:
+            self._handoff(plan)()
         if spec.wait_for_publish and self.publisher is not None:
             self.publisher.wait_idle()
         self._pending = (ns, tokens, out.tokens) if out.finish != "cancelled" else None
@@ -181,6 +190,7 @@ class Engine(PrefixFinder):
             lookup_s=plan.timings.get("lookup", 0.0),
             fetch_s=plan.timings.get("fetch", 0.0),
             restore_s=plan.timings.get("restore", 0.0),
+            lease_wait_s=plan.timings.get("lease_wait", 0.0),
             prompt_eval_s=t_first - t_eval,
             first_token_s=t_first - t_start,
             total_s=t_end - t_start,
@@ -319,15 +329,24 @@ class Engine(PrefixFinder):
         if plan.published or self.publisher is None or not self.restore_enabled:
             return
         plan.published = True
+        release = self._handoff(plan)
         if plan.store_tokens >= len(tokens):
-            return
+            return release()
         try:
             state = read_seq_state(self.llm)
         except StateReadError as e:
             metrics.PUBLISH_ERRORS.labels(**self.labels, reason="StateReadError").inc()
             log.warning("publish.snapshot_failed", extra={"reason": str(e)})
-            return
-        self.publisher.submit(ns, tokens, state)
+            return release()
+        self.publisher.submit(ns, tokens, state, on_done=release)
+
+    def _handoff(self, plan: Plan) -> Callable[[], None]:
+        """Take the job's leases off the plan: whoever calls the result releases them, once."""
+        claim, plan.claim = plan.claim, None
+        leases = self.leases
+        if claim is None or leases is None:
+            return lambda: None
+        return lambda: leases.release(claim)
 
     def _logprobs(self, tok: int, top_n: int) -> tuple[float, dict[str, float] | None]:
         logits = last_logits(self.llm).astype(np.float64)

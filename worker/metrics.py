@@ -25,3 +25,9 @@ RESTORE_ENABLED = Gauge("kvpool_worker_restore_enabled", "1 when the start-up la
 EXACT = Gauge("kvpool_worker_exact_reuse", "1 when the self-check saw restored state give the cold run's very bits.", _L)
 COLD_FALLBACKS = Counter("kvpool_worker_cold_fallbacks_total", "Jobs evaluated cold that the store could have served, by reason.", _L + ["reason"])
 BUSY = Gauge("kvpool_worker_busy", "1 while the worker runs a job.", _L)
+LEASE_WAITS = Counter(
+    "kvpool_worker_lease_waits_total",
+    "Jobs that waited for a prefix another worker was evaluating, by outcome (released, timeout, error).",
+    _L + ["outcome"],
+)
+LEASE_WAIT_SECONDS = Histogram("kvpool_worker_lease_wait_seconds", "Time waited for another worker's prefix.", _L, buckets=_SECONDS)

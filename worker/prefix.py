@@ -7,6 +7,10 @@ the prompt than that: full chunks, then the stored tail that matches the prompt 
 (`store.tails`), so a worker resumes at the exact token another one reached. What the
 store adds is fetched, verified, joined with the local chunks and restored in one go.
 The last two prompt tokens are never kept (`keepable`).
+
+When another worker is evaluating chunks of the same prompt right now, `_coalesce`
+waits for it to publish them rather than evaluating them too (`worker.leases`), then
+finds the prefix again; it leases the chunks it will evaluate itself.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass, field
 
 import llama_cpp
 import numpy as np
+import redis
 
 from store.chain import Namespace
 from store.errors import StoreError, StoreUnavailable
@@ -24,6 +29,7 @@ from store.store import Fetched, Store
 from store.tails import Hit
 from worker import metrics
 from worker.kvchunks import StateFormatError, cut_state, head_cells, join_state
+from worker.leases import Claim, EvalRate, Leases, leased_by_others
 from worker.llama_state import KvLayout, StateReadError, StateRestoreError, read_seq_state, restore_seq_state
 
 log = logging.getLogger("kvpool.worker")
@@ -38,6 +44,8 @@ class Plan:
     """Leading prompt tokens the store holds, to the token (full chunks and a tail)."""
     store_status: str = "ok"
     published: bool = False
+    claim: Claim | None = None
+    """Leases on the chunks this job evaluates, until its publish is over."""
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -56,6 +64,9 @@ class PrefixFinder:
     restore_enabled: bool
     context_tenant: str | None
     exact_upto: int
+    name: str
+    leases: Leases | None
+    eval_rate: EvalRate
 
     def forget_context(self) -> None:
         raise NotImplementedError
@@ -72,6 +83,45 @@ class PrefixFinder:
         hit = self._store_hit(ns, tokens, keys, plan)
         if hit is not None and min(hit.tokens, keepable(tokens)) > plan.cached_context:
             self._restore(ns, tokens, keys, n_local, hit, plan)
+        return plan
+
+    def _coalesce(self, ns: Namespace, tokens: list[int], keys: list[bytes], plan: Plan) -> Plan:
+        """Lease the chunks this job will evaluate; where another worker is evaluating them, wait for its publish.
+
+        The wait ends when the other worker's leases are gone (it published, or died and
+        they expired), or after as long as evaluating those tokens here would take. Then
+        the prefix is found again, and what is still missing is leased and evaluated here.
+        """
+        if self.leases is None or not self.restore_enabled:
+            return plan
+        c = ns.chunk_size
+        ahead = keys[plan.start // c :]
+        try:
+            claim, holders = self.leases.claim(ahead)
+        except redis.RedisError as e:
+            log.warning("lease.claim_failed", extra={"reason": str(e)})
+            return plan
+        plan.claim = claim
+        n = leased_by_others(holders, self.name)
+        if not n:
+            return plan
+        self.leases.release(claim)
+        max_wait = self.eval_rate.seconds_for(n * c, default_s=self.leases.lease_ms / 1000)
+        t0 = time.perf_counter()
+        outcome = self.leases.wait(ahead[:n], max_wait)
+        waited = time.perf_counter() - t0
+        metrics.LEASE_WAITS.labels(**self.labels, outcome=outcome).inc()
+        metrics.LEASE_WAIT_SECONDS.labels(**self.labels).observe(waited)
+        log.info("lease.waited", extra={"chunks": n, "outcome": outcome, "seconds": round(waited, 3)})
+        timings = plan.timings
+        if outcome == "released":
+            plan = self._prepare(ns, tokens, keys)
+        plan.timings = {**timings, **plan.timings, "lease_wait": waited}
+        try:
+            plan.claim, _ = self.leases.claim(keys[plan.start // c :])
+        except redis.RedisError as e:
+            log.warning("lease.claim_failed", extra={"reason": str(e)})
+            plan.claim = None
         return plan
 
     def _local_prefix(self, ns: Namespace, tokens: list[int]) -> int:
@@ -140,6 +190,7 @@ class PrefixFinder:
             plan.cached_context = 0
             return
         plan.timings["restore"] = time.perf_counter() - t2
+        self.context_tenant, self.exact_upto = ns.tenant_salt, n_restore
         metrics.RESTORE_SECONDS.labels(**self.labels).observe(time.perf_counter() - t1)
         metrics.RESTORE_BYTES.labels(**self.labels).inc(sum(len(p) for p in remote))
         plan.cached_context = min(local_chunks * c, keepable(tokens))

@@ -27,6 +27,8 @@ CANCEL_PREFIX = "kvpool:cancel:"
 WORKER_QUEUE_PREFIX = "kvpool:worker:"
 ADVERTS_KEY = "kvpool:adverts"
 """Hash of worker name -> advert JSON (`worker.advert`)."""
+LEASE_PREFIX = "kvpool:lease:"
+"""``kvpool:lease:<chunk key hex>``: string, the name of the worker evaluating that chunk, expiring (`worker.leases`)."""
 
 
 def stream_key(job_id: str) -> str:
@@ -35,6 +37,10 @@ def stream_key(job_id: str) -> str:
 
 def cancel_key(job_id: str) -> str:
     return CANCEL_PREFIX + job_id
+
+
+def lease_key(chunk_key: bytes) -> str:
+    return LEASE_PREFIX + chunk_key.hex()
 
 
 def worker_queue(worker_name: str) -> str:
@@ -84,6 +90,8 @@ class Timings(BaseModel):
     lookup_s: float = 0.0
     fetch_s: float = 0.0
     restore_s: float = 0.0
+    lease_wait_s: float = 0.0
+    """Time spent waiting for another worker to publish a prefix of this prompt (`worker.leases`)."""
     prompt_eval_s: float = 0.0
     first_token_s: float = 0.0
     total_s: float = 0.0

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from store.chain import Namespace, tail_key
 from store.errors import StoreError
@@ -34,14 +34,19 @@ class Publisher:
         self._thread = threading.Thread(target=self._run, name="kvpool-publisher", daemon=True)
         self._thread.start()
 
-    def submit(self, ns: Namespace, tokens: Sequence[int], state: Buffer) -> bool:
-        """Queue the full chunks of ``tokens`` (whose cells ``state`` holds) for publishing; False if dropped."""
+    def submit(self, ns: Namespace, tokens: Sequence[int], state: Buffer, on_done: Callable[[], None] | None = None) -> bool:
+        """Queue the chunks of ``tokens`` (whose cells ``state`` holds) for publishing; False if dropped.
+
+        ``on_done`` runs once the task is over, whether it published, failed or was dropped.
+        """
         try:
-            self._tasks.put_nowait((ns, list(tokens), state))
+            self._tasks.put_nowait((ns, list(tokens), state, on_done))
             return True
         except queue.Full:
             metrics.PUBLISH_ERRORS.labels(**self.labels, reason="queue_full").inc()
             log.warning("publish.dropped", extra={"reason": "queue full", "tokens": len(tokens)})
+            if on_done is not None:
+                on_done()
             return False
 
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
@@ -61,10 +66,12 @@ class Publisher:
     def _run(self) -> None:
         while True:
             task = self._tasks.get()
+            on_done = None
             try:
                 if task is _STOP:
                     return
-                self._publish(*task)  # type: ignore[misc]
+                ns, tokens, state, on_done = task  # type: ignore[misc]
+                self._publish(ns, tokens, state)
             except (StoreError, StateFormatError) as e:
                 metrics.PUBLISH_ERRORS.labels(**self.labels, reason=type(e).__name__).inc()
                 log.warning("publish.failed", extra={"error": type(e).__name__, "reason": str(e)})
@@ -72,6 +79,8 @@ class Publisher:
                 metrics.PUBLISH_ERRORS.labels(**self.labels, reason="unexpected").inc()
                 log.exception("publish.failed")
             finally:
+                if on_done is not None:
+                    on_done()
                 self._tasks.task_done()
 
     def _publish(self, ns: Namespace, tokens: list[int], state: Buffer) -> None:

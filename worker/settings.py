@@ -33,6 +33,10 @@ class WorkerSettings(StoreSettings):
     settle_completions: bool = Field(
         True, description="After each answer, evaluate the completion as prompt so the next chat turn is served from cache, exactly."
     )
+    coalesce: bool = Field(
+        True, description="Lease new prefixes while evaluating them, and wait for a prefix another worker is evaluating instead of evaluating it too."
+    )
+    lease_s: float = Field(5.0, gt=0, le=300, description="How long a prefix lease lasts unless renewed (a dead holder frees its prefixes within this).")
     publish_queue: int = Field(8, ge=1, description="Pending publish tasks before new ones are dropped.")
     self_check: bool = Field(True, description="Check at start-up that cut, rebuild and restore reproduce the cold logits.")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics on this port (0: any free port).")
