@@ -20,6 +20,7 @@ _GROUPS = {
     "batch": "gateway.batch:batch_command",
     "bench": "worker.bench.cli:bench_command",
     "bench-peers": "worker.bench.cli:bench_peers_command",
+    "bench-index": "worker.bench.index_scale:bench_index_command",
 }
 
 
