@@ -7,7 +7,8 @@
   worker dies (SIGKILL) the job is seen as abandoned within seconds and retried by
   another worker (RQ's retries; `job_attempts` in all). Jobs left in the private queue
   of a dead worker are moved to the shared queue.
-* SIGTERM: RQ's warm shutdown -- the current job finishes, then the process exits.
+* SIGTERM: RQ's warm shutdown -- the current job finishes, then the process exits;
+  jobs still waiting in its own queue are handed to the shared queue.
 * With ``metrics_port`` set, one port serves /metrics, /healthz and /readyz
   (`worker.health`): ready once the model is loaded, the self-check has passed and the
   worker is registered.
@@ -255,12 +256,22 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
             worker = _wait_for_redis(lambda: build_worker(settings))
             worker.health = health
     finally:
-        try:
-            withdraw(worker.connection, worker.name)
-        except redis.RedisError:
-            pass
+        _leave(worker)
         engine.close()
         jobs.set_engine(None)
+
+
+def _leave(worker: KvpoolWorker) -> None:
+    """Withdraw the advert, then hand the jobs still waiting in this worker's own queue to the shared one.
+
+    Without the hand-over they would wait for another worker's maintenance to find them,
+    and a pool scaled to zero on the shared queue's length has no other worker.
+    """
+    try:
+        withdraw(worker.connection, worker.name)
+        rescue_orphaned_queues(worker.connection, worker.queues[-1])
+    except redis.RedisError:
+        pass
 
 
 def _log_level() -> str:
