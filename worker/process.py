@@ -182,7 +182,7 @@ def resolve_model(settings: WorkerSettings) -> Path:
     if settings.model.startswith("s3://"):
         from worker.model_fetch import fetch_model
 
-        return fetch_model(settings.model, settings)
+        return fetch_model(settings.model, settings, sha256=settings.model_sha256 or None)
     path = Path(settings.model)
     if not path.is_file():
         raise FileNotFoundError(f"model not found: {path}")
