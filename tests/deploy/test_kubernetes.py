@@ -160,6 +160,13 @@ def test_the_autoscaler_scales_the_worker_deployment_within_bounds(overlay) -> N
     kube.find(objects, "TriggerAuthentication", auth)
 
 
+def test_kvpool_is_not_pid_1(overlay) -> None:
+    """PID 1 ignores a signal it has no handler for: a SIGTERM during start-up would wait out the grace period."""
+    _, objects = overlay
+    for name in ("kvpool-gateway", "kvpool-worker"):
+        assert kube.pod_spec(kube.find(objects, "Deployment", name))["shareProcessNamespace"] is True
+
+
 # --------------------------------------------------------------------------- the model
 
 
