@@ -38,6 +38,21 @@ install_system_packages() {
     "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { say "kvpool needs Python >= 3.11 (set PYTHON=python3.11)"; exit 1; }
 }
 
+require_kubectl() {
+    # The tests build deploy/kubernetes with `kubectl kustomize` (components and replacements
+    # need the kustomize v5 of kubectl 1.27 or later); a missing kubectl fails, never skips.
+    if ! command -v kubectl >/dev/null; then
+        say "installing kubectl"
+        as_root apt-get update -qq && DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq kubectl >/dev/null || true
+    fi
+    local minor
+    minor=$(kubectl version --client -o json 2>/dev/null | "$PY" -c 'import json, sys; print(int(json.load(sys.stdin)["clientVersion"]["minor"].rstrip("+")))' 2>/dev/null || echo 0)
+    if [ "$minor" -lt 27 ]; then
+        say "the tests need kubectl 1.27 or later (kustomize v5), to build deploy/kubernetes: https://kubernetes.io/docs/tasks/tools/"
+        exit 1
+    fi
+}
+
 install_python_packages() {
     [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PY" -m venv "$VENV"; }
     local stamp="$STATE/installed.stamp" want
@@ -71,6 +86,7 @@ fetch_model() {
 }
 
 install_system_packages "${1:-}"
+if [ "${1:-}" = test ]; then require_kubectl; fi
 install_python_packages
 fetch_model
 

@@ -225,7 +225,8 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         checks = await run_in_threadpool(gw.ready)
-        ok = checks["redis"] == "ok" and checks["store"] == "ok" and isinstance(checks["workers"], int)
+        workers_ok = isinstance(checks["workers"], int) or settings.queue_without_workers  # scaled to zero: requests wait in the queue
+        ok = checks["redis"] == "ok" and checks["store"] == "ok" and workers_ok
         return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks}, status_code=200 if ok else 503)
 
     @app.get("/metrics")

