@@ -21,6 +21,7 @@ _GROUPS = {
     "bench": "worker.bench.cli:bench_command",
     "bench-peers": "worker.bench.cli:bench_peers_command",
     "bench-index": "worker.bench.index_scale:bench_index_command",
+    "bench-resume": "worker.bench.resume:bench_resume_command",
 }
 
 
