@@ -4,7 +4,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 LOOKUPS = Counter("kvpool_store_lookups_total", "Chain lookups against the index.")
 CHUNKS = Counter("kvpool_store_chunks_total", "Chunks looked up, by result.", ["result"])
-TOKENS = Counter("kvpool_store_tokens_total", "Prompt tokens in full chunks looked up, by result.", ["result"])
+TOKENS = Counter("kvpool_store_tokens_total", "Prompt tokens looked up (full chunks and tails), by result.", ["result"])
 BYTES_READ = Counter("kvpool_store_bytes_read_total", "Blob bytes read from the backend.")
 BYTES_WRITTEN = Counter("kvpool_store_bytes_written_total", "Blob bytes written to the backend.")
 REQUEST_SECONDS = Histogram(
