@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from gateway import metrics
-from gateway.dispatch import Dispatcher
+from gateway.dispatch import Dispatcher, mismatch
 from gateway.errors import APIError, InvalidRequest, Overloaded, WorkerFailed
 from gateway.middleware import BodyLimit, CountRequests
 from gateway.prepare import Prepared, Preparer
@@ -155,8 +155,11 @@ class Gateway:
         except StoreError as e:
             checks["store"] = str(e)
         try:
-            n = len(adverts(self.redis))
-            checks["workers"] = n if n else "no live worker"
+            live = adverts(self.redis)
+            model, chunk = self.preparer.fingerprint, self.settings.chunk_size
+            n = sum(a.serves(model, chunk) for a in live)
+            checks["workers"] = n if n else (mismatch(live, model, chunk) if live else "no live worker")
+            checks["layouts"] = sorted({a.layout for a in live if a.serves(model, chunk)})
         except redis.RedisError:
             checks["workers"] = "unknown (redis unreachable)"
         return checks

@@ -54,6 +54,15 @@ def choose(ads: list[Advert], chain: list[str], queue_lengths: dict[str, int], s
     return Route(worker_queue(best.worker), "locality", best.worker, depth)
 
 
+def mismatch(live: list[Advert], model: str, chunk_size: int) -> str:
+    """Why none of the live workers can run this gateway's jobs, for an operator to fix."""
+    seen = sorted({f"model {a.model[:12] or '?'} / chunk size {a.chunk_size or '?'}" for a in live})
+    return (
+        f"{len(live)} live worker(s) serve {', '.join(seen)}; this gateway sends model {model[:12]} / chunk size "
+        f"{chunk_size}: start the gateway with the workers' KVPOOL_MODEL and KVPOOL_CHUNK_SIZE"
+    )
+
+
 class JobTime:
     """Exponentially weighted mean of recent jobs' durations, seconds (None until one was seen)."""
 
@@ -110,7 +119,11 @@ class Dispatcher:
         submit(self.conn, spec, queue=self.settings.queue, attempts=self.settings.job_attempts, timeout_s=self.settings.job_timeout_s, job_id=job_id)
 
     def _dispatch(self, spec: JobSpec, depends_on: str | None, job_id: str | None) -> tuple[str, Route]:
-        ads = adverts(self.conn)
+        live = adverts(self.conn)
+        ads = [a for a in live if a.serves(spec.model, spec.chunk_size)]
+        if live and not ads:
+            metrics.REJECTED.labels("no_matching_worker").inc()
+            raise Overloaded(mismatch(live, spec.model, spec.chunk_size), code="no_matching_worker", headers={"Retry-After": "30"})
         if not ads and not self.settings.queue_without_workers:
             metrics.REJECTED.labels("no_worker").inc()
             raise Overloaded("no live worker is serving this pool; start one with `kvpool worker`", code="no_workers", headers={"Retry-After": "5"})

@@ -11,8 +11,8 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant
 from gateway.tokenizer import TemplateError, Tokenizer
+from store.chain import prefix_namespace
 from store.fingerprint import fingerprint_file
-from worker.namespace import namespace_for
 from worker.protocol import JobSpec, SamplingParams
 
 
@@ -77,7 +77,7 @@ class Preparer:
         bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
         if any(k >= self.tokenizer.n_vocab for k in bias):
             raise InvalidRequest(f"logit_bias token ids must lie in [0, {self.tokenizer.n_vocab})", param="logit_bias")
-        ns = namespace_for(self.settings, self.fingerprint, tenant.salt)
+        ns = prefix_namespace(self.fingerprint, self.settings.chunk_size, tenant.salt)
         keys = ns.chain(tokens)
         spec = JobSpec(
             tokens=tokens,

@@ -26,6 +26,13 @@ the tokens before it, the first ``j`` cells of a stored tail serve any prompt wh
 tokens after ``key[n-1]`` start with the same ``j`` tokens; that is how a worker
 resumes at the exact token another worker reached (`store.tails`).
 
+Two chains are hashed from the same tokens. The *prefix* chain (`prefix_namespace`) has
+no KV layout in its namespace: the gateway computes it, routes by it and puts it in the
+job, so one gateway serves workers of any layout. The *blob* chain is rooted in a
+namespace with the worker's KV layout: the worker derives it from the job's tokens and
+stores, fetches and leases by it, so workers of each layout find only their own blobs
+and a blob's verification is unchanged.
+
 Everything here is deterministic across processes and machines: xxh3 with seed 0,
 explicit little-endian encodings, no Python ``hash()``, no pickle.
 """
@@ -98,6 +105,15 @@ class Namespace:
     def parent_of(self, keys: Sequence[bytes], index: int) -> bytes:
         """The key chunk (or tail) ``index`` hangs from: chunk ``index-1``, or the namespace for 0."""
         return keys[index - 1] if index else self.key
+
+
+PREFIX_LAYOUT = KVLayout("-", "-", False, (("address", "prefix"),))
+"""The layout of the prefix chain: the same for every worker, so it names tokens, not bytes."""
+
+
+def prefix_namespace(model_fingerprint: str, chunk_size: int, tenant_salt: str = "") -> Namespace:
+    """The namespace of the prefix chain: model, chunk size and tenant, with no KV layout."""
+    return Namespace(model_fingerprint, PREFIX_LAYOUT, chunk_size, tenant_salt)
 
 
 def _field(data: bytes) -> bytes:

@@ -1,9 +1,10 @@
 """Workers advertise what their context holds, so the gateway can route a request to the worker that already has its prefix.
 
 All adverts live in one Redis hash, ``kvpool:adverts``: field = worker name, value =
-JSON with the chain keys of the full chunks the worker's context holds (under the
-tenant that filled it), whether it is busy, its pid and host, and ``at``, the Redis
-server's clock when it was written. A worker rewrites its advert at every job start
+JSON with the prefix keys (`store.chain.prefix_namespace`) of the full chunks the
+worker's context holds (under the tenant that filled it), whether it is busy, its pid
+and host, what the pool must agree on (the model's fingerprint, the chunk size) and the
+worker's KV layout, and ``at``, the Redis server's clock when it was written. A worker rewrites its advert at every job start
 and end, every idle heartbeat and every few seconds while busy.
 
 An advert is *live* while ``at`` is less than `LIVE_S` old by the same Redis clock, so
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 import redis.asyncio
@@ -45,6 +47,13 @@ class Advert:
     at: float
     pid: int = 0
     host: str = ""
+    model: str = ""
+    chunk_size: int = 0
+    layout: str = ""
+
+    def serves(self, model: str, chunk_size: int) -> bool:
+        """Whether this worker can run a job of this model and chunk size."""
+        return self.model == model and self.chunk_size == chunk_size
 
     def depth(self, chain: Sequence[str]) -> int:
         """How many leading chunks of ``chain`` this worker's context holds."""
@@ -56,8 +65,21 @@ class Advert:
         return n
 
 
-def advertise(conn: redis.Redis, worker: str, keys: Sequence[bytes], busy: bool, *, pid: int = 0, host: str = "") -> None:
-    doc = {"keys": [k.hex() for k in keys], "busy": busy, "pid": pid, "host": host}
+@dataclass(frozen=True)
+class Serving:
+    """What a worker serves: the pool must agree on the model and chunk size; layouts may differ."""
+
+    model: str
+    chunk_size: int
+    layout: str
+
+
+def advertise(
+    conn: redis.Redis, worker: str, keys: Sequence[bytes], busy: bool, *, pid: int = 0, host: str = "", serving: Serving | None = None
+) -> None:
+    doc: dict[str, object] = {"keys": [k.hex() for k in keys], "busy": busy, "pid": pid, "host": host}
+    if serving is not None:
+        doc.update(model=serving.model, chunk_size=serving.chunk_size, layout=serving.layout)
     conn.eval(_WRITE, 1, ADVERTS_KEY, worker, json.dumps(doc))
 
 
@@ -79,10 +101,24 @@ def adverts(conn: redis.Redis) -> list[Advert]:
         if age > FORGET_S:
             forget.append(name)
         if age <= LIVE_S:
-            out.append(Advert(name.decode(), tuple(doc["keys"]), bool(doc["busy"]), float(doc["at"]), int(doc.get("pid", 0)), str(doc.get("host", ""))))
+            out.append(_advert(name.decode(), doc))
     if forget:
         conn.hdel(ADVERTS_KEY, *forget)
     return out
+
+
+def _advert(name: str, doc: dict[str, Any]) -> Advert:
+    return Advert(
+        name,
+        tuple(doc["keys"]),
+        bool(doc["busy"]),
+        float(doc["at"]),
+        int(doc.get("pid", 0)),
+        str(doc.get("host", "")),
+        str(doc.get("model", "")),
+        int(doc.get("chunk_size", 0)),
+        str(doc.get("layout", "")),
+    )
 
 
 def _fresh(raw: bytes | None, sec: int, usec: int) -> bool:

@@ -32,14 +32,14 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
 
-from store.chain import Namespace
+from store.chain import Namespace, prefix_namespace
 from store.fingerprint import fingerprint_file
 from store.store import Store
 from worker import metrics
@@ -133,13 +133,18 @@ class Engine(PrefixFinder):
         self.leases = Leases(store.index.r, name, settings.lease_s) if self.publisher and settings.coalesce else None
 
     def namespace(self, tenant_salt: str) -> Namespace:
+        """Where this worker's blobs live: the chain rooted in its KV layout."""
         return Namespace(self.fingerprint, self.layout, self.settings.chunk_size, tenant_salt)
 
+    def prefix_chain(self, tenant_salt: str, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
+        """The layout-free keys the gateway routes by and jobs carry (`store.chain.prefix_namespace`)."""
+        return prefix_namespace(self.fingerprint, self.settings.chunk_size, tenant_salt).chain(tokens)
+
     def held_keys(self) -> list[bytes]:
-        """Chain keys of the full chunks the context holds exactly, under the tenant that filled it."""
+        """Prefix keys of the full chunks the context holds exactly, under the tenant that filled it."""
         if self.context_tenant is None or self.exact_upto == 0:
             return []
-        return self.namespace(self.context_tenant).chain(self.llm.input_ids[: self.exact_upto])
+        return self.prefix_chain(self.context_tenant, self.llm.input_ids[: self.exact_upto])
 
     def forget_context(self) -> None:
         """Start the next job from an empty context (after a failure its contents are unknown)."""
@@ -161,9 +166,9 @@ class Engine(PrefixFinder):
         self._validate(spec)
         ns = self.namespace(spec.tenant_salt)
         tokens = list(spec.tokens)
+        if [k.hex() for k in self.prefix_chain(spec.tenant_salt, tokens)] != spec.chain:
+            raise JobRejected("the job's prefix keys disagree with its tokens (different model, chunk size or tenant salt?)")
         keys = ns.chain(tokens)
-        if [k.hex() for k in keys] != spec.chain:
-            raise JobRejected("chain keys disagree with the tokens (different model, chunk size or tenant salt?)")
 
         plan = self._coalesce(ns, tokens, keys, self._prepare(ns, tokens, keys))
         try:

@@ -42,7 +42,7 @@ from rq.worker import WorkerStatus
 from store.errors import StoreError
 from store.store import Store
 from worker import jobs, metrics
-from worker.advert import advertise, adverts, withdraw
+from worker.advert import Serving, advertise, adverts, withdraw
 from worker.engine import Engine
 from worker.health import Health, self_check_outcome, serve
 from worker.protocol import WORKER_QUEUE_PREFIX, worker_queue
@@ -77,7 +77,9 @@ class KvpoolWorker(SimpleWorker):
         if self.engine is None:
             return
         try:
-            advertise(self.connection, self.name, self.engine.held_keys(), busy, pid=os.getpid(), host=self.hostname or "")
+            e = self.engine
+            serving = Serving(e.fingerprint, e.settings.chunk_size, e.layout.canonical())
+            advertise(self.connection, self.name, e.held_keys(), busy, pid=os.getpid(), host=self.hostname or "", serving=serving)
         except redis.RedisError as e:
             log.warning("advert.failed", extra={"reason": str(e)})
 

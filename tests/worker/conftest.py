@@ -10,10 +10,10 @@ import llama_cpp
 import pytest
 import redis
 
+from store.chain import prefix_namespace
 from store.fingerprint import fingerprint_file
 from tests.conftest import POOL_CHUNK
 from worker.client import events, submit
-from worker.namespace import namespace_for
 from worker.protocol import DoneEvent, ErrorEvent, JobResult, JobSpec, SamplingParams, StartEvent, TokenEvent, worker_queue
 from worker.settings import WorkerSettings
 
@@ -43,7 +43,7 @@ class PoolClient:
         return self.vocab.tokenize(text.encode())
 
     def spec(self, tokens: list[int], *, tenant: str = "", chain: list[str] | None = None, **sampling: object) -> JobSpec:
-        ns = namespace_for(self.settings, self.fingerprint, tenant)
+        ns = prefix_namespace(self.fingerprint, POOL_CHUNK, tenant)
         return JobSpec(
             tokens=tokens,
             chain=chain if chain is not None else [k.hex() for k in ns.chain(tokens)],

@@ -194,7 +194,7 @@ def test_a_job_whose_keys_disagree_with_its_tokens_is_refused_not_retried(start_
     bad = client.spec(tokens, chain=["00" * 16] * (len(tokens) // C))
     out = client.collect(client.submit(bad, worker="w1"))
     assert out.result is None and out.error is not None and not out.error.retrying
-    assert "chain keys disagree" in out.error.error
+    assert "prefix keys disagree" in out.error.error
     assert len(out.starts) == 1
     ok = client.run(tokens, worker="w1")
     assert ok.usage.prompt_tokens == len(tokens)

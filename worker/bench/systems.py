@@ -36,6 +36,7 @@ import llama_cpp
 import numpy as np
 import redis
 
+from store.chain import prefix_namespace
 from store.fingerprint import fingerprint_file
 from store.index import RedisIndex
 from worker.bench.workloads import Request
@@ -239,7 +240,7 @@ class PoolClient:
     def spec(self, tokens: list[int], tenant: str, max_tokens: int) -> JobSpec:
         return JobSpec(
             tokens=tokens,
-            chain=[k.hex() for k in self.keys(tokens, tenant)],
+            chain=[k.hex() for k in prefix_namespace(self.fingerprint, self.chunk_size, tenant).chain(tokens)],
             chunk_size=self.chunk_size,
             model=self.fingerprint,
             tenant_salt=tenant,
