@@ -247,18 +247,18 @@ def test_losing_every_worker_ends_the_batch_and_a_rerun_finishes_it(start_worker
 
 
 def test_a_failed_leader_hands_its_group_to_the_next_member(start_worker, pool_env, redis_url, tmp_path) -> None:
-    """Workers reject jobs cut into chunks of another size: every leader fails, so its deferred siblings
+    """The worker rejects prompts longer than its context: every leader fails, so its deferred siblings
     (which RQ would never release) are withdrawn and the next member leads, until every line is answered."""
-    start_worker("w1")
+    start_worker("w1", KVPOOL_N_CTX="64")
     requests = batch_requests(12, seed=3)[:: 2]
     inp, out = write_jsonl(tmp_path / "requests.jsonl", requests), tmp_path / "results.jsonl"
-    r = run_batch({**pool_env, "KVPOOL_CHUNK_SIZE": str(POOL_CHUNK // 2)}, inp, out, timeout_s=120)
+    r = run_batch(pool_env, inp, out, timeout_s=120)
     assert r.returncode == 0, r.stderr[-3000:]
     results = read_results(out)
     assert sorted(x["custom_id"] for x in results) == sorted(q["custom_id"] for q in requests)
     for x in results:
         assert x["response"]["status_code"] == 502
-        assert "job uses chunk size 16" in x["response"]["body"]["error"]["message"]
+        assert "does not fit the context of 64" in x["response"]["body"]["error"]["message"]
     assert re.search(r"leader_promoted withdrawn=[1-9]", r.stderr), "siblings were waiting on the failed leader"
     conn = redis.Redis.from_url(redis_url)
     assert DeferredJobRegistry("kvpool", connection=conn).count == 0

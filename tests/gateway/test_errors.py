@@ -307,8 +307,8 @@ def test_fuzzed_requests_never_get_a_server_error(one_worker) -> None:
 
 
 def test_a_job_that_fails_for_good_is_502_with_the_workers_reason(start_worker, start_gateway) -> None:
-    start_worker("w1", KVPOOL_CHUNK_SIZE="32")
-    gw = start_gateway(KVPOOL_CHUNK_SIZE="64")
+    start_worker("w1", KVPOOL_N_CTX="64")  # the gateway admits prompts of up to 2048 tokens; this worker holds 64
+    gw = start_gateway()
     r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": prompt_text(3, 100), "max_tokens": 2}, timeout=60)
-    err = assert_openai_error(r, 502, "chunk size")
+    err = assert_openai_error(r, 502, "does not fit the context of 64")
     assert err["code"] == "worker_error"

@@ -58,10 +58,9 @@ class Runner:
                 seen.append(last_logits(self.engine.llm))
             return True
 
-        ns = self.engine.namespace("")
         spec = JobSpec(
             tokens=tokens,
-            chain=[k.hex() for k in ns.chain(tokens)],
+            chain=[k.hex() for k in self.engine.prefix_chain("", tokens)],
             chunk_size=CHUNK,
             model=self.engine.fingerprint,
             sampling=SamplingParams(max_tokens=CONTINUATION, temperature=0.0, top_k=1),

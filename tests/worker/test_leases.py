@@ -16,6 +16,7 @@ import redis
 
 from tests.conftest import POOL_CHUNK
 from tests.worker.conftest import PoolClient
+from worker.namespace import namespace_for
 from worker.leases import EvalRate, Leases, leased_by_others
 from worker.protocol import lease_key
 
@@ -107,7 +108,7 @@ def test_a_lease_left_by_a_dead_holder_delays_no_job_past_its_expiry(start_worke
     """A holder that died mid-prefix leaves its leases; the next worker evaluates alone once they expire."""
     start_worker("w1", KVPOOL_LEASE_S="1")
     prompt = _documents(1, 6 * POOL_CHUNK, 1, 8)[0]
-    ns_keys = [bytes.fromhex(k) for k in client.spec(prompt).chain]
+    ns_keys = namespace_for(client.settings, client.fingerprint).chain(prompt)  # leases are on the blob chain
     conn = client.conn
     for k in ns_keys:
         conn.set(lease_key(k), "dead-worker", px=1500)
