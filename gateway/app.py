@@ -35,6 +35,7 @@ from gateway.responses import StreamChunks, chat_body, completion_body
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant, Tenants
+from gateway.tokens_api import router as tokens_router
 from store.backend import open_backend
 from store.errors import StoreError
 from worker.advert import adverts
@@ -232,6 +233,7 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
     async def metrics_endpoint() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
+    app.include_router(tokens_router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(CountRequests)
     return app

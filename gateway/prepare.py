@@ -92,6 +92,8 @@ class Preparer:
                 top_k=req.top_k,
                 min_p=req.min_p,
                 repeat_penalty=req.repeat_penalty,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
                 seed=req.seed,
                 stop=stop,
                 logprobs=logprobs,

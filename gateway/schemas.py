@@ -87,13 +87,6 @@ class _Common(BaseModel):
                 raise ValueError("logit_bias values lie in [-100, 100]")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalties(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("presence and frequency penalties are not supported; use repeat_penalty")
-        return v
-
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]

@@ -207,6 +207,8 @@ class Engine(PrefixFinder):
             min_p=s.min_p,
             temp=s.temperature,
             repeat_penalty=s.repeat_penalty,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
             logits_processor=_bias(s.logit_bias) if s.logit_bias else None,
             reset=True,
         )

@@ -49,6 +49,8 @@ class SamplingParams(BaseModel):
     top_k: int = Field(40, ge=0)
     min_p: float = Field(0.05, ge=0.0, le=1.0)
     repeat_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, lt=2**32)
     stop: list[str] = Field(default_factory=list)
     logprobs: int | None = Field(None, ge=0, le=20)
