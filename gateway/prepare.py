@@ -9,6 +9,7 @@ from pathlib import Path
 from gateway.errors import ContextOverflow, InvalidRequest, NotFound
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
+from gateway.structured import response_grammar
 from gateway.tenants import Tenant
 from gateway.tokenizer import TemplateError, Tokenizer
 from store.fingerprint import fingerprint_file
@@ -21,6 +22,8 @@ class Prepared:
     spec: JobSpec
     keys: list[bytes]
     chat: bool
+    echo: str | None = None
+    """The prompt's text, put before the completion (``echo``)."""
 
 
 class Preparer:
@@ -36,16 +39,30 @@ class Preparer:
         if name != self.model_name:
             raise NotFound(f"the model '{name}' does not exist; this gateway serves '{self.model_name}'", param="model", code="model_not_found")
 
-    def completion(self, req: CompletionRequest, tenant: Tenant) -> Prepared:
+    def completions(self, req: CompletionRequest, tenant: Tenant) -> list[Prepared]:
+        """One job per prompt."""
+        return [self.completion(req, tenant, prompt, i) for i, prompt in enumerate(req.prompts())]
+
+    def completion(self, req: CompletionRequest, tenant: Tenant, prompt: str | list[int] | None = None, index: int = 0) -> Prepared:
         self.check_model(req.model)
-        if isinstance(req.prompt, str):
-            tokens = self.tokenizer.tokenize(req.prompt)
+        if prompt is None:
+            prompts = req.prompts()
+            if len(prompts) != 1:
+                raise InvalidRequest("this takes one prompt per request", param="prompt")
+            prompt = prompts[0]
+        param = "prompt" if len(req.prompts()) == 1 else f"prompt.{index}"
+        if isinstance(prompt, str):
+            tokens = self.tokenizer.tokenize(prompt)
         else:
-            tokens = list(req.prompt)  # type: ignore[arg-type]
+            tokens = list(prompt)
             bad = [t for t in tokens if not 0 <= t < self.tokenizer.n_vocab]
             if bad:
-                raise InvalidRequest(f"token ids must lie in [0, {self.tokenizer.n_vocab}), got {bad[0]}", param="prompt")
-        return self._job(req, tokens, req.max_tokens, list(req.stop or []), req.logprobs, tenant, chat=False)
+                raise InvalidRequest(f"{param}: token ids must lie in [0, {self.tokenizer.n_vocab}), got {bad[0]}", param="prompt")
+        prepared = self._job(req, tokens, req.max_tokens, list(req.stop or []), req.logprobs, tenant, chat=False, score=req.echo and req.logprobs is not None)
+        if not req.echo:
+            return prepared
+        text = prompt if isinstance(prompt, str) else self.tokenizer.llm.detokenize(tokens).decode("utf-8", "replace")
+        return Prepared(prepared.spec, prepared.keys, chat=False, echo=text)
 
     def chat(self, req: ChatCompletionRequest, tenant: Tenant) -> Prepared:
         self.check_model(req.model)
@@ -58,7 +75,8 @@ class Preparer:
         stops = list(req.stop or []) + [s for s in self.tokenizer.chat_stops if s not in (req.stop or [])]
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         budget = req.token_budget(min(self.settings.max_tokens_default, max(1, self.settings.n_ctx - len(tokens) - 1)))
-        return self._job(req, tokens, budget, stops, logprobs, tenant, chat=True)
+        grammar = response_grammar(req.response_format, self.tokenizer.llm._model.vocab)
+        return self._job(req, tokens, budget, stops, logprobs, tenant, chat=True, grammar=grammar)
 
     def _job(
         self,
@@ -70,6 +88,8 @@ class Preparer:
         tenant: Tenant,
         *,
         chat: bool,
+        grammar: str | None = None,
+        score: bool = False,
     ) -> Prepared:
         n_ctx = self.settings.n_ctx
         if len(tokens) + max_tokens > n_ctx or len(tokens) >= n_ctx:
@@ -98,6 +118,9 @@ class Preparer:
                 stop=stop,
                 logprobs=logprobs,
                 logit_bias=bias,
+                n=req.n,
+                grammar=grammar,
+                prompt_logprobs=logprobs if score else None,
             ),
             enqueued_at=time.time(),
         )

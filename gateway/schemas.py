@@ -49,7 +49,7 @@ class _Common(BaseModel):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = 1
+    n: int = Field(1, ge=1, le=16, description="Choices sampled from the one evaluated prompt.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop = None
@@ -61,13 +61,6 @@ class _Common(BaseModel):
     top_k: int = Field(40, ge=0, description="kvpool extension: llama.cpp's top-k.")
     min_p: float = Field(0.05, ge=0.0, le=1.0, description="kvpool extension: llama.cpp's min-p.")
     repeat_penalty: float = Field(1.0, gt=0.0, description="kvpool extension: llama.cpp's repeat penalty.")
-
-    @field_validator("n")
-    @classmethod
-    def _only_one(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -88,6 +81,10 @@ class _Common(BaseModel):
         return v
 
 
+MAX_PROMPTS = 32
+"""Most prompts one completion request may carry; each becomes its own job."""
+
+
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int = Field(16, ge=0)
@@ -97,20 +94,53 @@ class CompletionRequest(_Common):
     best_of: int | None = None
 
     @model_validator(mode="after")
-    def _single_prompt(self) -> CompletionRequest:
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError("only one prompt per request is supported")
-            self.prompt = p[0]
-        if isinstance(self.prompt, (str, list)) and len(self.prompt) == 0:
+    def _checks(self) -> CompletionRequest:
+        prompts = self.prompts()
+        if not prompts:
             raise ValueError("prompt must not be empty")
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError("prompt must not be empty" if len(prompts) == 1 else f"prompt {i} is empty")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of not in (None, 1):
             raise ValueError("only best_of=1 is supported")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise ValueError("echo with logprobs is not supported when streaming; ask for the whole response")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a text or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    name: str = Field("response", pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``; the JSON kinds are enforced by a grammar (`gateway.structured`)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs a json_schema object")
         return self
 
 
@@ -142,15 +172,13 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
         if self.tools:
             raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("only response_format type 'text' is supported")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self

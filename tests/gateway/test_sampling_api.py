@@ -101,3 +101,28 @@ def test_bad_tokenizer_requests_are_openai_style_errors(smol_pool) -> None:
     assert_openai_error(httpx.post(url + "/detokenize", json={"tokens": [1, 10**9]}), 400, "token ids")
     assert_openai_error(httpx.post(url + "/detokenize", json={"tokens": ["a"]}), 400, "tokens")
     assert_openai_error(httpx.post(url + "/detokenize", json={}), 400, "tokens")
+
+
+def test_n_choices_are_sampled_from_one_prompt_evaluation(smol_pool) -> None:
+    client = openai_client(smol_pool)
+    messages = [{"role": "user", "content": "Write one sentence about the sea."}]
+    r = client.chat.completions.create(model=SMOL, messages=messages, n=3, temperature=1.0, seed=5, max_tokens=20, logprobs=True)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
+    assert r.model_extra["kvpool"]["evaluated_tokens"] == r.usage.prompt_tokens  # once, not three times
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) > 1
+    for i, text in enumerate(texts):  # choice i is what seed + i gives alone
+        alone = client.chat.completions.create(model=SMOL, messages=messages, temperature=1.0, seed=5 + i, max_tokens=20)
+        assert alone.choices[0].message.content == text
+
+    whole = client.completions.create(model=SMOL, prompt=PROMPT, n=2, temperature=0.9, seed=1, max_tokens=12)
+    parts: dict[int, str] = {}
+    finished: dict[int, str] = {}
+    for chunk in client.completions.create(model=SMOL, prompt=PROMPT, n=2, temperature=0.9, seed=1, max_tokens=12, stream=True):
+        for c in chunk.choices:
+            parts[c.index] = parts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert parts == {c.index: c.text for c in whole.choices}
+    assert finished == {c.index: c.finish_reason for c in whole.choices}
