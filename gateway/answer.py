@@ -70,7 +70,7 @@ async def cancel_unfinished(gw: Gateway, jobs: list[Submitted]) -> None:
 def body_of(job: Submitted, model: str, result: JobResult, tokens: list[TokenEvent], want_logprobs: bool) -> dict[str, Any]:
     p = job.prepared
     if p.chat:
-        return chat_body(job.job_id, model, result, tokens, want_logprobs)
+        return chat_body(job.job_id, model, result, tokens, want_logprobs, tools=p.tools)
     return completion_body(job.job_id, model, result, tokens, want_logprobs, echo=p.echo, offset=job.offset)
 
 
@@ -115,19 +115,18 @@ async def sse(gw: Gateway, request: Request, jobs: list[Submitted], include_usag
     try:
         for job in jobs:
             p = job.prepared
-            chunks = StreamChunks(jobs[0].job_id, gw.preparer.model_name, p.chat, want_logprobs, p.spec.sampling.n, offset=job.offset, echo=p.echo)
+            n = p.spec.sampling.n
+            chunks = StreamChunks(jobs[0].job_id, gw.preparer.model_name, p.chat, want_logprobs, n, offset=job.offset, echo=p.echo, tools=p.tools)
             if (head := chunks.first()) is not None:
                 yield _data(head)
             events = relay(gw._relay_context(request, p, job.job_id, t0, endpoint))
             try:
                 async for ev in events:
-                    if isinstance(ev, TokenEvent):
-                        if (chunk := chunks.token(ev)) is not None:
-                            yield _data(chunk)
-                    else:
+                    for chunk in chunks.token(ev) if isinstance(ev, TokenEvent) else chunks.last(ev):
+                        yield _data(chunk)
+                    if isinstance(ev, JobResult):
                         job.done = True
                         results.append(ev)
-                        yield _data(chunks.last(ev))
             finally:
                 with anyio.CancelScope(shield=True):
                     await events.aclose()

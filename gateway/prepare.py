@@ -10,6 +10,7 @@ from gateway.errors import ContextOverflow, InvalidRequest, NotFound
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.structured import response_grammar
+from gateway.tools import supports_tools, template_messages, template_tools, tool_grammar, uses_tools
 from gateway.tenants import Tenant
 from gateway.tokenizer import TemplateError, Tokenizer
 from store.fingerprint import fingerprint_file
@@ -24,6 +25,8 @@ class Prepared:
     chat: bool
     echo: str | None = None
     """The prompt's text, put before the completion (``echo``)."""
+    tools: tuple[str, ...] | None = None
+    """The functions a chat answer may call: its text is parsed for their calls."""
 
 
 class Preparer:
@@ -31,7 +34,8 @@ class Preparer:
 
     def __init__(self, settings: GatewaySettings, model_path: Path) -> None:
         self.settings = settings
-        self.tokenizer = Tokenizer(model_path)
+        template = Path(settings.chat_template_file).read_text() if settings.chat_template_file else None
+        self.tokenizer = Tokenizer(model_path, template)
         self.fingerprint = fingerprint_file(model_path)
         self.model_name = settings.model_name or Path(model_path).name.removesuffix(".gguf")
 
@@ -66,17 +70,27 @@ class Preparer:
 
     def chat(self, req: ChatCompletionRequest, tenant: Tenant) -> Prepared:
         self.check_model(req.model)
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
+        if uses_tools(req) and not supports_tools(self.tokenizer.template_source):
+            raise InvalidRequest(
+                f"the model '{self.model_name}' has a chat template without tool support (it renders no tools in the <tool_call> format); "
+                "serve it with KVPOOL_CHAT_TEMPLATE_FILE naming a template that does, such as deploy/templates/chatml-tools.jinja",
+                param="tools",
+                code="tools_unsupported",
+            )
         try:
-            text = self.tokenizer.render_chat(messages)
+            text = self.tokenizer.render_chat(template_messages(req.messages), template_tools(req))
         except TemplateError as e:
             raise InvalidRequest(str(e), param="messages") from None
         tokens = self.tokenizer.tokenize(text, special=True)
         stops = list(req.stop or []) + [s for s in self.tokenizer.chat_stops if s not in (req.stop or [])]
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         budget = req.token_budget(min(self.settings.max_tokens_default, max(1, self.settings.n_ctx - len(tokens) - 1)))
-        grammar = response_grammar(req.response_format, self.tokenizer.llm._model.vocab)
-        return self._job(req, tokens, budget, stops, logprobs, tenant, chat=True, grammar=grammar)
+        vocab = self.tokenizer.llm._model.vocab
+        grammar = tool_grammar(req, vocab) if req.forced_tools() else response_grammar(req.response_format, vocab)
+        prepared = self._job(req, tokens, budget, stops, logprobs, tenant, chat=True, grammar=grammar)
+        if not req.tools_offered():
+            return prepared
+        return Prepared(prepared.spec, prepared.keys, chat=True, tools=tuple(t.function.name for t in req.tools or []))
 
     def _job(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from gateway.tools import ToolStream, parse_calls
 from worker.protocol import JobResult, TokenEvent
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
@@ -94,21 +95,29 @@ def completion_body(
     }
 
 
-def chat_body(job_id: str, model: str, result: JobResult, tokens: list[TokenEvent], want_logprobs: bool) -> dict[str, Any]:
+def _message(text: str, finish: str, tools: tuple[str, ...] | None) -> tuple[dict[str, Any], str]:
+    if not tools:
+        return {"role": "assistant", "content": text}, finish
+    content, calls = parse_calls(text, tools)
+    if not calls:
+        return {"role": "assistant", "content": content}, finish
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+
+def chat_body(
+    job_id: str, model: str, result: JobResult, tokens: list[TokenEvent], want_logprobs: bool, *, tools: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """``tools``: the functions the answer may call; its text is parsed for their calls."""
+    choices = []
+    for i, text, finish in _choices(result):
+        message, reason = _message(text, finish, tools)
+        choices.append({"index": i, "message": message, "finish_reason": reason, "logprobs": _chat_logprobs(_of(tokens, i)) if want_logprobs else None})
     return {
         "id": f"chatcmpl-{job_id}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish,
-                "logprobs": _chat_logprobs(_of(tokens, i)) if want_logprobs else None,
-            }
-            for i, text, finish in _choices(result)
-        ],
+        "choices": choices,
         "usage": usage(result),
         "kvpool": kvpool_extra(result),
     }
@@ -117,7 +126,18 @@ def chat_body(job_id: str, model: str, result: JobResult, tokens: list[TokenEven
 class StreamChunks:
     """The ``data:`` objects of a streamed response, in order."""
 
-    def __init__(self, job_id: str, model: str, chat: bool, want_logprobs: bool, n: int = 1, *, offset: int = 0, echo: str | None = None) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        model: str,
+        chat: bool,
+        want_logprobs: bool,
+        n: int = 1,
+        *,
+        offset: int = 0,
+        echo: str | None = None,
+        tools: tuple[str, ...] | None = None,
+    ) -> None:
         self.id = f"chatcmpl-{job_id}" if chat else f"cmpl-{job_id}"
         self.model = model
         self.chat = chat
@@ -125,6 +145,7 @@ class StreamChunks:
         self.n = n
         self.offset = offset
         self.echo = echo
+        self.tool_streams = {i: ToolStream(tools) for i in range(n)} if tools else None
         self.created = int(time.time())
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -138,19 +159,28 @@ class StreamChunks:
             return self._chunk([{"index": self.offset + i, "text": self.echo, "logprobs": None, "finish_reason": None} for i in range(self.n)])
         return self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(self.n)])
 
-    def token(self, t: TokenEvent) -> dict[str, Any] | None:
+    def token(self, t: TokenEvent) -> list[dict[str, Any]]:
         if not t.text and not (self.want_logprobs and t.logprob is not None):
-            return None
+            return []
         if self.chat:
             lp = _chat_logprobs([t]) if self.want_logprobs else None
-            return self._chunk([{"index": t.index, "delta": {"content": t.text}, "logprobs": lp, "finish_reason": None}])
+            if self.tool_streams is None:
+                return [self._chunk([{"index": t.index, "delta": {"content": t.text}, "logprobs": lp, "finish_reason": None}])]
+            return [self._chunk([{"index": t.index, "delta": d, "logprobs": None, "finish_reason": None}]) for d in self.tool_streams[t.index].push(t.text)]
         lp = _completion_logprobs([t]) if self.want_logprobs else None
-        return self._chunk([{"index": self.offset + t.index, "text": t.text, "logprobs": lp, "finish_reason": None}])
+        return [self._chunk([{"index": self.offset + t.index, "text": t.text, "logprobs": lp, "finish_reason": None}])]
 
-    def last(self, result: JobResult) -> dict[str, Any]:
-        if self.chat:
-            return self._chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": f} for i, _, f in _choices(result)])
-        return self._chunk([{"index": self.offset + i, "text": "", "logprobs": None, "finish_reason": f} for i, _, f in _choices(result)])
+    def last(self, result: JobResult) -> list[dict[str, Any]]:
+        if not self.chat:
+            return [self._chunk([{"index": self.offset + i, "text": "", "logprobs": None, "finish_reason": f} for i, _, f in _choices(result)])]
+        out = []
+        finishes = []
+        for i, _, f in _choices(result):
+            stream = self.tool_streams[i] if self.tool_streams else None
+            if stream is not None:
+                out += [self._chunk([{"index": i, "delta": d, "logprobs": None, "finish_reason": None}]) for d in stream.flush()]
+            finishes.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": "tool_calls" if stream is not None and stream.calls else f})
+        return [*out, self._chunk(finishes)]
 
     def usage(self, results: list[JobResult]) -> dict[str, Any]:
         return self._chunk([], usage=sum_usage([usage(r) for r in results]), kvpool=merged_extra(results))

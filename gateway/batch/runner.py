@@ -198,7 +198,7 @@ class Runner:
     def _answered(self, flight: Flight, result: JobResult) -> None:
         r = flight.request
         if r.prepared.chat:
-            body = chat_body(flight.job_id, self.model_name, result, flight.tokens, r.want_logprobs)
+            body = chat_body(flight.job_id, self.model_name, result, flight.tokens, r.want_logprobs, tools=r.prepared.tools)
         else:
             body = completion_body(flight.job_id, self.model_name, result, flight.tokens, r.want_logprobs, echo=r.prepared.echo)
         self.out.write(result_record(r.result_id, r.custom_id, response={"status_code": 200, "request_id": flight.job_id, "body": body}))

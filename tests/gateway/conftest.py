@@ -40,3 +40,13 @@ def smol_pool(start_worker, start_gateway, smollm2: Path) -> GatewayProcess:
     """One worker and a gateway serving the real model, SmolLM2-135M-Instruct (answers that depend on text)."""
     start_worker("smol-1", KVPOOL_MODEL=str(smollm2))
     return start_gateway(KVPOOL_MODEL=str(smollm2))
+
+
+TOOLS_TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "templates" / "chatml-tools.jinja"
+
+
+@pytest.fixture
+def smol_tools_pool(start_worker, start_gateway, smollm2: Path) -> GatewayProcess:
+    """SmolLM2 served with a ChatML template that has tools (Hermes <tool_call> blocks, as Qwen2.5's)."""
+    start_worker("smol-1", KVPOOL_MODEL=str(smollm2))
+    return start_gateway(KVPOOL_MODEL=str(smollm2), KVPOOL_CHAT_TEMPLATE_FILE=str(TOOLS_TEMPLATE))
