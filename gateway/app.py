@@ -7,10 +7,8 @@ event stream. Every failure is answered in OpenAI's error shape (`gateway.errors
 
 from __future__ import annotations
 
-import json
 import logging
-import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -25,20 +23,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
-from gateway import metrics
+from gateway.answer import sse, submit_all, whole
 from gateway.dispatch import Dispatcher, mismatch
-from gateway.errors import APIError, InvalidRequest, Overloaded, WorkerFailed
+from gateway.errors import APIError, InvalidRequest, Overloaded
 from gateway.middleware import BodyLimit, CountRequests
 from gateway.prepare import Prepared, Preparer
-from gateway.relay import RelayContext, relay
-from gateway.responses import StreamChunks, chat_body, completion_body
+from gateway.relay import RelayContext
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant, Tenants
+from gateway.tokens_api import router as tokens_router
 from store.backend import open_backend
 from store.errors import StoreError
 from worker.advert import adverts
-from worker.protocol import JobResult, TokenEvent
 
 log = logging.getLogger("kvpool.gateway")
 
@@ -85,25 +82,11 @@ class Gateway:
         self.aredis = redis.asyncio.Redis.from_url(settings.redis_url, socket_connect_timeout=settings.connect_timeout_s)
         self.dispatcher = Dispatcher(self.redis, settings)
 
-    async def answer(self, request: Request, prepared: Prepared, tenant: Tenant, *, stream: bool, include_usage: bool, want_logprobs: bool) -> Response:
-        endpoint = "chat" if prepared.chat else "completions"
-        t0 = time.perf_counter()
-        job_id, route = await run_in_threadpool(self.dispatcher.dispatch, prepared.spec)
-        metrics.TENANT_REQUESTS.labels(tenant.id).inc()
-        log.info("request.routed", extra={"job": job_id, "tenant": tenant.id, "queue": route.queue, "reason": route.reason, "prompt_tokens": len(prepared.spec.tokens)})
-        events = relay(self._relay_context(request, prepared, job_id, t0, endpoint))
-        model = self.preparer.model_name
+    async def answer(self, request: Request, prepared: list[Prepared], tenant: Tenant, *, stream: bool, include_usage: bool, want_logprobs: bool) -> Response:
+        jobs = await submit_all(self, prepared, tenant)
         if stream:
-            chunks = StreamChunks(job_id, model, prepared.chat, want_logprobs)
-            return _ClosingStream(self._sse(events, chunks, include_usage, job_id), media_type="text/event-stream")
-        tokens: list[TokenEvent] = []
-        async for ev in events:
-            if isinstance(ev, TokenEvent):
-                tokens.append(ev)
-            elif isinstance(ev, JobResult):
-                build = chat_body if prepared.chat else completion_body
-                return JSONResponse(build(job_id, model, ev, tokens, want_logprobs))
-        raise WorkerFailed("the job ended without a result")
+            return _ClosingStream(sse(self, request, jobs, include_usage, want_logprobs), media_type="text/event-stream")
+        return JSONResponse(await whole(self, request, jobs, want_logprobs))
 
     def _relay_context(self, request: Request, prepared: Prepared, job_id: str, t0: float, endpoint: str) -> RelayContext:
         async def any_worker_alive() -> bool:
@@ -115,32 +98,6 @@ class Gateway:
         return RelayContext(
             request, self.aredis, job_id, t0, self.settings.request_timeout_s, endpoint, any_worker_alive, resubmit, self.dispatcher.job_time.observe
         )
-
-    async def _sse(self, events: AsyncGenerator[TokenEvent | JobResult, None], chunks: StreamChunks, include_usage: bool, job_id: str) -> AsyncIterator[bytes]:
-        def data(obj: Any) -> bytes:
-            return b"data: " + json.dumps(obj).encode() + b"\n\n"
-
-        try:
-            if (head := chunks.first()) is not None:
-                yield data(head)
-            async for ev in events:
-                if isinstance(ev, TokenEvent):
-                    if (chunk := chunks.token(ev)) is not None:
-                        yield data(chunk)
-                else:
-                    yield data(chunks.last(ev))
-                    if include_usage:
-                        yield data(chunks.usage(ev))
-        except APIError as e:
-            log.warning("stream.failed", extra={"job": job_id, "status": e.status, "reason": e.message})
-            yield data(e.body())
-        except redis.RedisError as e:
-            log.error("stream.failed", extra={"job": job_id, "reason": f"{type(e).__name__}: {e}"})
-            yield data(Overloaded(f"the job queue (Redis) was lost mid-stream: {type(e).__name__}", code="queue_unavailable").body())
-        finally:
-            with anyio.CancelScope(shield=True):
-                await events.aclose()
-        yield b"data: [DONE]\n\n"
 
     def ready(self) -> dict[str, Any]:
         checks: dict[str, Any] = {}
@@ -205,7 +162,7 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         tenant = await tenant_of(request)
-        prepared = await run_in_threadpool(gw.preparer.completion, body, tenant)
+        prepared = await run_in_threadpool(gw.preparer.completions, body, tenant)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await gw.answer(request, prepared, tenant, stream=body.stream, include_usage=include_usage, want_logprobs=body.logprobs is not None)
 
@@ -214,7 +171,7 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
         tenant = await tenant_of(request)
         prepared = await run_in_threadpool(gw.preparer.chat, body, tenant)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await gw.answer(request, prepared, tenant, stream=body.stream, include_usage=include_usage, want_logprobs=body.logprobs)
+        return await gw.answer(request, [prepared], tenant, stream=body.stream, include_usage=include_usage, want_logprobs=body.logprobs)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -236,6 +193,7 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
     async def metrics_endpoint() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
+    app.include_router(tokens_router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(CountRequests)
     return app

@@ -9,6 +9,8 @@ from pathlib import Path
 from gateway.errors import ContextOverflow, InvalidRequest, NotFound
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
+from gateway.structured import response_grammar
+from gateway.tools import supports_tools, template_messages, template_tools, tool_grammar, uses_tools
 from gateway.tenants import Tenant
 from gateway.tokenizer import TemplateError, Tokenizer
 from store.chain import prefix_namespace
@@ -21,6 +23,10 @@ class Prepared:
     spec: JobSpec
     keys: list[bytes]
     chat: bool
+    echo: str | None = None
+    """The prompt's text, put before the completion (``echo``)."""
+    tools: tuple[str, ...] | None = None
+    """The functions a chat answer may call: its text is parsed for their calls."""
 
 
 class Preparer:
@@ -28,7 +34,8 @@ class Preparer:
 
     def __init__(self, settings: GatewaySettings, model_path: Path) -> None:
         self.settings = settings
-        self.tokenizer = Tokenizer(model_path)
+        template = Path(settings.chat_template_file).read_text() if settings.chat_template_file else None
+        self.tokenizer = Tokenizer(model_path, template)
         self.fingerprint = fingerprint_file(model_path)
         self.model_name = settings.model_name or Path(model_path).name.removesuffix(".gguf")
 
@@ -36,29 +43,54 @@ class Preparer:
         if name != self.model_name:
             raise NotFound(f"the model '{name}' does not exist; this gateway serves '{self.model_name}'", param="model", code="model_not_found")
 
-    def completion(self, req: CompletionRequest, tenant: Tenant) -> Prepared:
+    def completions(self, req: CompletionRequest, tenant: Tenant) -> list[Prepared]:
+        """One job per prompt."""
+        return [self.completion(req, tenant, prompt, i) for i, prompt in enumerate(req.prompts())]
+
+    def completion(self, req: CompletionRequest, tenant: Tenant, prompt: str | list[int] | None = None, index: int = 0) -> Prepared:
         self.check_model(req.model)
-        if isinstance(req.prompt, str):
-            tokens = self.tokenizer.tokenize(req.prompt)
+        if prompt is None:
+            prompts = req.prompts()
+            if len(prompts) != 1:
+                raise InvalidRequest("this takes one prompt per request", param="prompt")
+            prompt = prompts[0]
+        param = "prompt" if len(req.prompts()) == 1 else f"prompt.{index}"
+        if isinstance(prompt, str):
+            tokens = self.tokenizer.tokenize(prompt)
         else:
-            tokens = list(req.prompt)  # type: ignore[arg-type]
+            tokens = list(prompt)
             bad = [t for t in tokens if not 0 <= t < self.tokenizer.n_vocab]
             if bad:
-                raise InvalidRequest(f"token ids must lie in [0, {self.tokenizer.n_vocab}), got {bad[0]}", param="prompt")
-        return self._job(req, tokens, req.max_tokens, list(req.stop or []), req.logprobs, tenant, chat=False)
+                raise InvalidRequest(f"{param}: token ids must lie in [0, {self.tokenizer.n_vocab}), got {bad[0]}", param="prompt")
+        prepared = self._job(req, tokens, req.max_tokens, list(req.stop or []), req.logprobs, tenant, chat=False, score=req.echo and req.logprobs is not None)
+        if not req.echo:
+            return prepared
+        text = prompt if isinstance(prompt, str) else self.tokenizer.llm.detokenize(tokens).decode("utf-8", "replace")
+        return Prepared(prepared.spec, prepared.keys, chat=False, echo=text)
 
     def chat(self, req: ChatCompletionRequest, tenant: Tenant) -> Prepared:
         self.check_model(req.model)
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
+        if uses_tools(req) and not supports_tools(self.tokenizer.template_source):
+            raise InvalidRequest(
+                f"the model '{self.model_name}' has a chat template without tool support (it renders no tools in the <tool_call> format); "
+                "serve it with KVPOOL_CHAT_TEMPLATE_FILE naming a template that does, such as deploy/templates/chatml-tools.jinja",
+                param="tools",
+                code="tools_unsupported",
+            )
         try:
-            text = self.tokenizer.render_chat(messages)
+            text = self.tokenizer.render_chat(template_messages(req.messages), template_tools(req))
         except TemplateError as e:
             raise InvalidRequest(str(e), param="messages") from None
         tokens = self.tokenizer.tokenize(text, special=True)
         stops = list(req.stop or []) + [s for s in self.tokenizer.chat_stops if s not in (req.stop or [])]
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         budget = req.token_budget(min(self.settings.max_tokens_default, max(1, self.settings.n_ctx - len(tokens) - 1)))
-        return self._job(req, tokens, budget, stops, logprobs, tenant, chat=True)
+        vocab = self.tokenizer.llm._model.vocab
+        grammar = tool_grammar(req, vocab) if req.forced_tools() else response_grammar(req.response_format, vocab)
+        prepared = self._job(req, tokens, budget, stops, logprobs, tenant, chat=True, grammar=grammar)
+        if not req.tools_offered():
+            return prepared
+        return Prepared(prepared.spec, prepared.keys, chat=True, tools=tuple(t.function.name for t in req.tools or []))
 
     def _job(
         self,
@@ -70,6 +102,8 @@ class Preparer:
         tenant: Tenant,
         *,
         chat: bool,
+        grammar: str | None = None,
+        score: bool = False,
     ) -> Prepared:
         n_ctx = self.settings.n_ctx
         if len(tokens) + max_tokens > n_ctx or len(tokens) >= n_ctx:
@@ -92,10 +126,15 @@ class Preparer:
                 top_k=req.top_k,
                 min_p=req.min_p,
                 repeat_penalty=req.repeat_penalty,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
                 seed=req.seed,
                 stop=stop,
                 logprobs=logprobs,
                 logit_bias=bias,
+                n=req.n,
+                grammar=grammar,
+                prompt_logprobs=logprobs if score else None,
             ),
             enqueued_at=time.time(),
         )

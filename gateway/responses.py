@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from gateway.tools import ToolStream, parse_calls
 from worker.protocol import JobResult, TokenEvent
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
@@ -32,16 +33,17 @@ def kvpool_extra(result: JobResult) -> dict[str, Any]:
     }
 
 
-def _completion_logprobs(tokens: list[TokenEvent]) -> dict[str, Any]:
-    scored = [t for t in tokens if t.logprob is not None]
-    offsets, at = [], 0
+def _completion_logprobs(tokens: list[TokenEvent], start: int = 0) -> dict[str, Any]:
+    """Tokens with a piece: generated ones scored, and echoed prompt tokens (the first of which has no logprob)."""
+    scored = [t for t in tokens if t.piece is not None and (t.logprob is not None or t.token >= 0)]
+    offsets, at = [], start
     for t in scored:
         offsets.append(at)
         at += len(t.piece or "")
     return {
         "tokens": [t.piece or "" for t in scored],
         "token_logprobs": [t.logprob for t in scored],
-        "top_logprobs": [t.top_logprobs or {} for t in scored],
+        "top_logprobs": [None if t.logprob is None else (t.top_logprobs or {}) for t in scored],
         "text_offset": offsets,
     }
 
@@ -59,7 +61,21 @@ def _chat_logprobs(tokens: list[TokenEvent]) -> dict[str, Any]:
     }
 
 
-def completion_body(job_id: str, model: str, result: JobResult, tokens: list[TokenEvent], want_logprobs: bool) -> dict[str, Any]:
+def _choices(result: JobResult) -> list[tuple[int, str, str]]:
+    """(index, text, finish reason) of every choice the job sampled."""
+    first = (0, result.text, FINISH[result.finish_reason])
+    return [first, *((c.index, c.text, FINISH[c.finish_reason]) for c in result.extra_choices)]
+
+
+def _of(tokens: list[TokenEvent], index: int) -> list[TokenEvent]:
+    return [t for t in tokens if t.index == index]
+
+
+def completion_body(
+    job_id: str, model: str, result: JobResult, tokens: list[TokenEvent], want_logprobs: bool, *, echo: str | None = None, offset: int = 0
+) -> dict[str, Any]:
+    """``echo``: the prompt's text, put before each choice's (with the prompt's logprobs when the job scored it)."""
+    prompt = (result.prompt_logprobs or []) if echo is not None else []
     return {
         "id": f"cmpl-{job_id}",
         "object": "text_completion",
@@ -67,31 +83,41 @@ def completion_body(job_id: str, model: str, result: JobResult, tokens: list[Tok
         "model": model,
         "choices": [
             {
-                "index": 0,
-                "text": result.text,
-                "finish_reason": FINISH[result.finish_reason],
-                "logprobs": _completion_logprobs(tokens) if want_logprobs else None,
+                "index": offset + i,
+                "text": (echo or "") + text,
+                "finish_reason": finish,
+                "logprobs": _completion_logprobs(prompt + _of(tokens, i)) if want_logprobs else None,
             }
+            for i, text, finish in _choices(result)
         ],
         "usage": usage(result),
         "kvpool": kvpool_extra(result),
     }
 
 
-def chat_body(job_id: str, model: str, result: JobResult, tokens: list[TokenEvent], want_logprobs: bool) -> dict[str, Any]:
+def _message(text: str, finish: str, tools: tuple[str, ...] | None) -> tuple[dict[str, Any], str]:
+    if not tools:
+        return {"role": "assistant", "content": text}, finish
+    content, calls = parse_calls(text, tools)
+    if not calls:
+        return {"role": "assistant", "content": content}, finish
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+
+def chat_body(
+    job_id: str, model: str, result: JobResult, tokens: list[TokenEvent], want_logprobs: bool, *, tools: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """``tools``: the functions the answer may call; its text is parsed for their calls."""
+    choices = []
+    for i, text, finish in _choices(result):
+        message, reason = _message(text, finish, tools)
+        choices.append({"index": i, "message": message, "finish_reason": reason, "logprobs": _chat_logprobs(_of(tokens, i)) if want_logprobs else None})
     return {
         "id": f"chatcmpl-{job_id}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": result.text},
-                "finish_reason": FINISH[result.finish_reason],
-                "logprobs": _chat_logprobs(tokens) if want_logprobs else None,
-            }
-        ],
+        "choices": choices,
         "usage": usage(result),
         "kvpool": kvpool_extra(result),
     }
@@ -100,11 +126,26 @@ def chat_body(job_id: str, model: str, result: JobResult, tokens: list[TokenEven
 class StreamChunks:
     """The ``data:`` objects of a streamed response, in order."""
 
-    def __init__(self, job_id: str, model: str, chat: bool, want_logprobs: bool) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        model: str,
+        chat: bool,
+        want_logprobs: bool,
+        n: int = 1,
+        *,
+        offset: int = 0,
+        echo: str | None = None,
+        tools: tuple[str, ...] | None = None,
+    ) -> None:
         self.id = f"chatcmpl-{job_id}" if chat else f"cmpl-{job_id}"
         self.model = model
         self.chat = chat
         self.want_logprobs = want_logprobs
+        self.n = n
+        self.offset = offset
+        self.echo = echo
+        self.tool_streams = {i: ToolStream(tools) for i in range(n)} if tools else None
         self.created = int(time.time())
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -113,23 +154,46 @@ class StreamChunks:
 
     def first(self) -> dict[str, Any] | None:
         if not self.chat:
-            return None
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+            if not self.echo:
+                return None
+            return self._chunk([{"index": self.offset + i, "text": self.echo, "logprobs": None, "finish_reason": None} for i in range(self.n)])
+        return self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(self.n)])
 
-    def token(self, t: TokenEvent) -> dict[str, Any] | None:
+    def token(self, t: TokenEvent) -> list[dict[str, Any]]:
         if not t.text and not (self.want_logprobs and t.logprob is not None):
-            return None
+            return []
         if self.chat:
             lp = _chat_logprobs([t]) if self.want_logprobs else None
-            return self._chunk([{"index": 0, "delta": {"content": t.text}, "logprobs": lp, "finish_reason": None}])
+            if self.tool_streams is None:
+                return [self._chunk([{"index": t.index, "delta": {"content": t.text}, "logprobs": lp, "finish_reason": None}])]
+            return [self._chunk([{"index": t.index, "delta": d, "logprobs": None, "finish_reason": None}]) for d in self.tool_streams[t.index].push(t.text)]
         lp = _completion_logprobs([t]) if self.want_logprobs else None
-        return self._chunk([{"index": 0, "text": t.text, "logprobs": lp, "finish_reason": None}])
+        return [self._chunk([{"index": self.offset + t.index, "text": t.text, "logprobs": lp, "finish_reason": None}])]
 
-    def last(self, result: JobResult) -> dict[str, Any]:
-        reason = FINISH[result.finish_reason]
-        if self.chat:
-            return self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}])
-        return self._chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": reason}])
+    def last(self, result: JobResult) -> list[dict[str, Any]]:
+        if not self.chat:
+            return [self._chunk([{"index": self.offset + i, "text": "", "logprobs": None, "finish_reason": f} for i, _, f in _choices(result)])]
+        out = []
+        finishes = []
+        for i, _, f in _choices(result):
+            stream = self.tool_streams[i] if self.tool_streams else None
+            if stream is not None:
+                out += [self._chunk([{"index": i, "delta": d, "logprobs": None, "finish_reason": None}]) for d in stream.flush()]
+            finishes.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": "tool_calls" if stream is not None and stream.calls else f})
+        return [*out, self._chunk(finishes)]
 
-    def usage(self, result: JobResult) -> dict[str, Any]:
-        return self._chunk([], usage=usage(result), kvpool=kvpool_extra(result))
+    def usage(self, results: list[JobResult]) -> dict[str, Any]:
+        return self._chunk([], usage=sum_usage([usage(r) for r in results]), kvpool=merged_extra(results))
+
+
+def sum_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """Usage of several jobs (one request with several prompts)."""
+    total = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return {**total, "prompt_tokens_details": {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)}}
+
+
+def merged_extra(results: list[JobResult]) -> dict[str, Any]:
+    """kvpool's details for one job, or for several prompts: one entry per prompt under ``prompts``."""
+    if len(results) == 1:
+        return kvpool_extra(results[0])
+    return {"prompts": [kvpool_extra(r) for r in results]}

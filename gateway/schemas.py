@@ -49,7 +49,7 @@ class _Common(BaseModel):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = 1
+    n: int = Field(1, ge=1, le=16, description="Choices sampled from the one evaluated prompt.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop = None
@@ -61,13 +61,6 @@ class _Common(BaseModel):
     top_k: int = Field(40, ge=0, description="kvpool extension: llama.cpp's top-k.")
     min_p: float = Field(0.05, ge=0.0, le=1.0, description="kvpool extension: llama.cpp's min-p.")
     repeat_penalty: float = Field(1.0, gt=0.0, description="kvpool extension: llama.cpp's repeat penalty.")
-
-    @field_validator("n")
-    @classmethod
-    def _only_one(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -87,12 +80,9 @@ class _Common(BaseModel):
                 raise ValueError("logit_bias values lie in [-100, 100]")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalties(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("presence and frequency penalties are not supported; use repeat_penalty")
-        return v
+
+MAX_PROMPTS = 32
+"""Most prompts one completion request may carry; each becomes its own job."""
 
 
 class CompletionRequest(_Common):
@@ -104,20 +94,53 @@ class CompletionRequest(_Common):
     best_of: int | None = None
 
     @model_validator(mode="after")
-    def _single_prompt(self) -> CompletionRequest:
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError("only one prompt per request is supported")
-            self.prompt = p[0]
-        if isinstance(self.prompt, (str, list)) and len(self.prompt) == 0:
+    def _checks(self) -> CompletionRequest:
+        prompts = self.prompts()
+        if not prompts:
             raise ValueError("prompt must not be empty")
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError("prompt must not be empty" if len(prompts) == 1 else f"prompt {i} is empty")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of not in (None, 1):
             raise ValueError("only best_of=1 is supported")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise ValueError("echo with logprobs is not supported when streaming; ask for the whole response")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a text or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    name: str = Field("response", pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``; the JSON kinds are enforced by a grammar (`gateway.structured`)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs a json_schema object")
         return self
 
 
@@ -128,12 +151,37 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str
+    arguments: str = Field(description="The arguments, as a JSON object in a string (as OpenAI sends them).")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> Message:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -143,24 +191,70 @@ class Message(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+MAX_TOOLS = 128
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("only response_format type 'text' is supported")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if self.tool_choice not in (None, "auto", "none") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not among the tools ({', '.join(names)})")
+        if self.forced_tools() and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("a required or named tool_choice cannot be combined with a JSON response_format")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self
+
+    def tools_offered(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice not in (None, "auto", "none")
 
     def token_budget(self, default: int) -> int:
         for v in (self.max_completion_tokens, self.max_tokens):

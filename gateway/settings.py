@@ -15,6 +15,11 @@ class GatewaySettings(WorkerSettings):
     host: str = Field("127.0.0.1", description="Address the gateway listens on.")
     port: int = Field(8000, ge=0, le=65535, description="Port the gateway listens on.")
     model_name: str = Field("", description="Model id served in the API (default: the GGUF file name without .gguf).")
+    chat_template_file: str = Field(
+        "",
+        description="Jinja chat template used instead of the model's own (as llama-server's --chat-template-file); "
+        "deploy/templates/chatml-tools.jinja gives a ChatML model tools.",
+    )
     api_keys: dict[str, str] = Field(
         default_factory=dict,
         description='API keys and the tenant each belongs to, as JSON: {"sk-a": "team-a", "sk-b": "team-a"}. Empty: no auth, one tenant.',

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,16 +25,18 @@ class TemplateError(ValueError):
 
 
 class Tokenizer:
-    def __init__(self, model_path: str | Path) -> None:
+    def __init__(self, model_path: str | Path, template: str | None = None) -> None:
         self.llm = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
         meta = self.llm.metadata
         self.n_vocab = self.llm.n_vocab()
         self.n_ctx_train = int(meta.get(f"{meta.get('general.architecture', 'llama')}.context_length", 0) or 0)
         self.bos_token = self._piece(self.llm.token_bos())
         self.eos_token = self._piece(self.llm.token_eos())
-        source = meta.get("tokenizer.chat_template") or DEFAULT_CHAT_TEMPLATE
+        source = template or meta.get("tokenizer.chat_template") or DEFAULT_CHAT_TEMPLATE
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
         env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = _tojson
+        self.template_source = source
         self.template = env.from_string(source)
         self.chat_stops = [s for s in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>") if s in source]
 
@@ -49,13 +52,18 @@ class Tokenizer:
         add_bos = not (special and self.bos_token and text.startswith(self.bos_token))
         return self.llm.tokenize(text.encode(), add_bos=add_bos, special=special)
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         try:
             return self.template.render(
-                messages=list(messages), add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
+                messages=list(messages), tools=tools or None, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
             )
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template failed: {e}") from None
+
+
+def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
+    """JSON as Hugging Face renders chat templates: not HTML-escaped (Jinja's own ``tojson`` turns ``<`` into ``\\u003c``)."""
+    return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
 def _raise(message: str) -> None:

@@ -30,13 +30,10 @@ ends the usable prefix where it starts, and publish errors are logged and counte
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import llama_cpp
 import numpy as np
 
 from store.chain import Namespace, prefix_namespace
@@ -49,19 +46,18 @@ from worker.llama_state import (
     StateReadError,
     batch_sizes,
     evaluate_prompt,
-    is_end_of_generation,
     kv_layout,
-    last_logits,
     open_llama,
     read_seq_state,
 )
-from worker.protocol import JobRejected, JobResult, JobSpec, TokenEvent, Timings, Usage
+from worker.protocol import ChoiceResult, JobRejected, JobResult, JobSpec, TokenEvent, Timings, Usage
 from worker.namespace import chain_layout
 from worker.leases import EvalRate, Leases
 from worker.prefix import Plan, PrefixFinder
 from worker.publisher import Publisher
 from worker.settings import WorkerSettings
-from worker.textstream import TextStream
+from worker.sampling import Output, sample_choices
+from worker.scoring import score_prompt
 
 log = logging.getLogger("kvpool.worker")
 
@@ -72,15 +68,6 @@ SETTLE_BATCH = 32
 
 Emit = Callable[[TokenEvent], bool]
 """Sends one token event; returns False when the job was cancelled."""
-
-
-@dataclass
-class _Output:
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    text: str = ""
-    finish: str = "length"
-    t_first: float | None = None
 
 
 class Engine(PrefixFinder):
@@ -170,14 +157,17 @@ class Engine(PrefixFinder):
             raise JobRejected("the job's prefix keys disagree with its tokens (different model, chunk size or tenant salt?)")
         keys = ns.chain(tokens)
 
-        plan = self._coalesce(ns, tokens, keys, self._prepare(ns, tokens, keys))
+        plan = self._plan_for(spec, ns, tokens, keys)
+        if spec.sampling.prompt_logprobs is None:
+            plan = self._coalesce(ns, tokens, keys, plan)
         try:
             self._count_prompt(plan, len(tokens))
             t_eval = time.perf_counter()
-            evaluate_prompt(self.llm, tokens, plan.start)
+            scored = self._evaluate(spec, tokens, plan.start)
             self.eval_rate.observe(len(tokens) - plan.start, time.perf_counter() - t_eval)
             self.context_tenant, self.exact_upto = spec.tenant_salt, len(tokens)
-            out = self._generate(spec, emit, lambda: self._publish(ns, tokens, plan))
+            outs = self._generate(spec, emit, lambda: self._publish(ns, tokens, plan))
+            out = outs[0]
             self._publish(ns, tokens, plan)
         finally:
             self._handoff(plan)()
@@ -186,10 +176,11 @@ class Engine(PrefixFinder):
         self._pending = (ns, tokens, out.tokens) if out.finish != "cancelled" else None
         t_first = out.t_first or time.perf_counter()
         t_end = time.perf_counter()
-        metrics.GENERATED_TOKENS.labels(**self.labels).inc(len(out.tokens))
+        n_generated = sum(len(o.tokens) for o in outs)
+        metrics.GENERATED_TOKENS.labels(**self.labels).inc(n_generated)
         metrics.FIRST_TOKEN_SECONDS.labels(**self.labels).observe(t_first - t_start)
-        if out.tokens and t_end > t_first:
-            metrics.TOKENS_PER_SECOND.labels(**self.labels).observe(len(out.tokens) / (t_end - t_first))
+        if n_generated and t_end > t_first:
+            metrics.TOKENS_PER_SECOND.labels(**self.labels).observe(n_generated / (t_end - t_first))
         timings = Timings(
             queue_wait_s=max(0.0, time.time() - spec.enqueued_at - (t_end - t_start)),
             lookup_s=plan.timings.get("lookup", 0.0),
@@ -200,7 +191,21 @@ class Engine(PrefixFinder):
             first_token_s=t_first - t_start,
             total_s=t_end - t_start,
         )
-        return self._result(spec, plan, out, timings)
+        return self._result(spec, plan, outs, timings, scored)
+
+    def _plan_for(self, spec: JobSpec, ns: Namespace, tokens: list[int], keys: list[bytes]) -> Plan:
+        """The prefix to keep; none for a scored prompt, whose every position needs its logits (`worker.scoring`)."""
+        if spec.sampling.prompt_logprobs is None:
+            return self._prepare(ns, tokens, keys)
+        plan = Plan(store_status="ok" if self.store else "disabled")
+        self._store_hit(ns, tokens, keys, plan)
+        return plan
+
+    def _evaluate(self, spec: JobSpec, tokens: list[int], start: int) -> list[TokenEvent] | None:
+        if spec.sampling.prompt_logprobs is None:
+            evaluate_prompt(self.llm, tokens, start)
+            return None
+        return score_prompt(self.llm, tokens, spec.sampling.prompt_logprobs)
 
     def _count_prompt(self, plan: Plan, n_prompt: int) -> None:
         metrics.PROMPT_TOKENS.labels(**self.labels).inc(n_prompt)
@@ -208,64 +213,26 @@ class Engine(PrefixFinder):
         metrics.RESTORED_TOKENS.labels(**self.labels).inc(plan.cached_store)
         metrics.EVALUATED_TOKENS.labels(**self.labels).inc(n_prompt - plan.start)
 
-    def _generate(self, spec: JobSpec, emit: Emit, after_first: Callable[[], None]) -> _Output:
-        """Sample from the evaluated prompt, streaming each token; ``after_first`` runs once the first is out."""
-        s = spec.sampling
-        out = _Output()
-        self.llm.set_seed(s.seed if s.seed is not None else random.randrange(2**32))
-        stream = TextStream(self.llm, s.stop)
-        budget = min(s.max_tokens, self.settings.n_ctx - len(spec.tokens))
-        gen = self.llm.generate(
-            spec.tokens,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            min_p=s.min_p,
-            temp=s.temperature,
-            repeat_penalty=s.repeat_penalty,
-            logits_processor=_bias(s.logit_bias) if s.logit_bias else None,
-            reset=True,
-        )
-        try:
-            for tok in gen if budget > 0 else ():
-                first = out.t_first is None
-                if first:
-                    out.t_first = time.perf_counter()
-                if is_end_of_generation(self.llm, tok):
-                    out.finish = "stop"
-                    break
-                out.tokens.append(tok)
-                if not emit(self._token_event(tok, stream.push(tok), s.logprobs, out)):
-                    out.finish = "cancelled"
-                    break
-                if first:
-                    after_first()
-                if stream.stopped or len(out.tokens) >= budget:
-                    out.finish = "stop" if stream.stopped else "length"
-                    break
-        finally:
-            gen.close()
-        if out.finish != "cancelled" and not stream.stopped and (tail := stream.flush()):
-            emit(TokenEvent(text=tail, token=-1))
-        out.text = stream.text
-        return out
+    def _generate(self, spec: JobSpec, emit: Emit, after_first: Callable[[], None]) -> list[Output]:
+        """Sample the job's choices from the evaluated prompt, streaming each token; ``after_first`` runs once the first is out."""
+        return sample_choices(self.llm, spec, emit, after_first, self.settings.n_ctx, lambda: self._rewind(spec.tokens))
 
-    def _token_event(self, tok: int, text: str, top_n: int | None, out: _Output) -> TokenEvent:
-        if top_n is None:
-            return TokenEvent(text=text, token=tok)
-        lp, top = self._logprobs(tok, top_n)
-        out.logprobs.append(lp)
-        piece = self.llm.detokenize([tok]).decode("utf-8", "replace")
-        return TokenEvent(text=text, token=tok, piece=piece, logprob=lp, top_logprobs=top)
+    def _rewind(self, tokens: list[int]) -> None:
+        """Back to the end of the prompt for another choice: its last two tokens evaluated again, as one batch."""
+        if not self.kv.prefix_reuse:
+            self.llm.reset()
+        evaluate_prompt(self.llm, tokens, max(0, len(tokens) - 2) if self.kv.prefix_reuse else 0)
 
-    def _result(self, spec: JobSpec, plan: Plan, out: _Output, timings: Timings) -> JobResult:
+    def _result(self, spec: JobSpec, plan: Plan, outs: list[Output], timings: Timings, scored: list[TokenEvent] | None) -> JobResult:
         n = len(spec.tokens)
+        out, want_lp = outs[0], spec.sampling.logprobs is not None
         return JobResult(
             text=out.text,
             finish_reason=out.finish,  # type: ignore[arg-type]
             tokens=out.tokens,
             usage=Usage(
                 prompt_tokens=n,
-                completion_tokens=len(out.tokens),
+                completion_tokens=sum(len(o.tokens) for o in outs),
                 cached_tokens=plan.start,
                 cached_from_context=plan.cached_context,
                 cached_from_store=plan.cached_store,
@@ -274,7 +241,12 @@ class Engine(PrefixFinder):
             timings=timings,
             worker=self.name,
             store_status=plan.store_status,  # type: ignore[arg-type]
-            logprobs=out.logprobs if spec.sampling.logprobs is not None else None,
+            logprobs=out.logprobs if want_lp else None,
+            extra_choices=[
+                ChoiceResult(index=o.index, text=o.text, finish_reason=o.finish, tokens=o.tokens, logprobs=o.logprobs if want_lp else None)  # type: ignore[arg-type]
+                for o in outs[1:]
+            ],
+            prompt_logprobs=scored,
         )
 
     def _validate(self, spec: JobSpec) -> None:
@@ -353,17 +325,6 @@ class Engine(PrefixFinder):
             return lambda: None
         return lambda: leases.release(claim)
 
-    def _logprobs(self, tok: int, top_n: int) -> tuple[float, dict[str, float] | None]:
-        logits = last_logits(self.llm).astype(np.float64)
-        m = logits.max()
-        logz = m + np.log(np.exp(logits - m).sum())
-        lp = float(logits[tok] - logz)
-        if not top_n:
-            return lp, None
-        best = np.argpartition(-logits, top_n)[:top_n]
-        top = {self.llm.detokenize([int(i)]).decode("utf-8", "replace"): float(logits[i] - logz) for i in best}
-        return lp, top
-
 
 def _idle_for(seconds: float, job_waiting: Callable[[], bool]) -> bool:
     """True once ``seconds`` pass with no job waiting; False as soon as one is."""
@@ -373,14 +334,3 @@ def _idle_for(seconds: float, job_waiting: Callable[[], bool]) -> bool:
             return False
         time.sleep(0.01)
     return not job_waiting()
-
-
-def _bias(bias: dict[int, float]) -> llama_cpp.LogitsProcessorList:
-    ids = np.fromiter(bias.keys(), dtype=np.int64)
-    values = np.fromiter(bias.values(), dtype=np.float32)
-
-    def apply(_input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
-        scores[ids] += values
-        return scores
-
-    return llama_cpp.LogitsProcessorList([apply])

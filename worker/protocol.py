@@ -55,10 +55,15 @@ class SamplingParams(BaseModel):
     top_k: int = Field(40, ge=0)
     min_p: float = Field(0.05, ge=0.0, le=1.0)
     repeat_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, lt=2**32)
     stop: list[str] = Field(default_factory=list)
     logprobs: int | None = Field(None, ge=0, le=20)
     logit_bias: dict[int, float] = Field(default_factory=dict, description="Token id -> bias added to its logit (-100 bans it).")
+    n: int = Field(1, ge=1, le=16, description="Choices sampled from the one evaluated prompt.")
+    grammar: str | None = Field(None, description="GBNF (root rule 'root') every choice must match; the gateway has checked it.")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description="Score the prompt: each token's logprob and this many alternatives.")
 
 
 class JobSpec(BaseModel):
@@ -97,6 +102,16 @@ class Timings(BaseModel):
     total_s: float = 0.0
 
 
+class ChoiceResult(BaseModel):
+    """A choice after the first (the first is `JobResult`'s own text, tokens and finish reason)."""
+
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length", "cancelled"]
+    tokens: list[int]
+    logprobs: list[float] | None = None
+
+
 class JobResult(BaseModel):
     text: str
     finish_reason: Literal["stop", "length", "cancelled"]
@@ -106,6 +121,8 @@ class JobResult(BaseModel):
     worker: str
     store_status: Literal["ok", "unavailable", "disabled"] = "ok"
     logprobs: list[float] | None = None
+    extra_choices: list[ChoiceResult] = Field(default_factory=list, description="Choices 1..n-1 when n > 1.")
+    prompt_logprobs: list["TokenEvent"] | None = Field(None, description="Per prompt token (the first has no logprob), when asked for.")
 
 
 class StartEvent(BaseModel):
@@ -121,6 +138,7 @@ class TokenEvent(BaseModel):
     piece: str | None = Field(None, description="The token's own text; sent with logprobs.")
     logprob: float | None = None
     top_logprobs: dict[str, float] | None = None
+    index: int = Field(0, description="The choice this token belongs to (n > 1).")
 
 
 class DoneEvent(BaseModel):
@@ -136,3 +154,6 @@ class ErrorEvent(BaseModel):
 
 class JobRejected(Exception):
     """A job that can never succeed (wrong model, keys that disagree with the tokens, too long): not retried."""
+
+
+JobResult.model_rebuild()

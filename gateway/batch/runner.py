@@ -197,8 +197,10 @@ class Runner:
 
     def _answered(self, flight: Flight, result: JobResult) -> None:
         r = flight.request
-        build = chat_body if r.prepared.chat else completion_body
-        body = build(flight.job_id, self.model_name, result, flight.tokens, r.want_logprobs)
+        if r.prepared.chat:
+            body = chat_body(flight.job_id, self.model_name, result, flight.tokens, r.want_logprobs, tools=r.prepared.tools)
+        else:
+            body = completion_body(flight.job_id, self.model_name, result, flight.tokens, r.want_logprobs, echo=r.prepared.echo)
         self.out.write(result_record(r.result_id, r.custom_id, response={"status_code": 200, "request_id": flight.job_id, "body": body}))
         self.tally.add(r, result)
         del self.flights[flight.job_id]

@@ -45,11 +45,15 @@ BAD = [
     ("prompt is a number", {"model": MODEL, "prompt": 5}, 400, ["prompt"]),
     ("max_tokens is text", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, ["max_tokens"]),
     ("negative max_tokens", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, ["max_tokens"]),
-    ("n=2", {"model": MODEL, "prompt": "hi", "n": 2}, 400, ["n=1"]),
+    ("n=17", {"model": MODEL, "prompt": "hi", "n": 17}, 400, ["n"]),
+    ("n=0", {"model": MODEL, "prompt": "hi", "n": 0}, 400, ["n"]),
     ("no model", {"prompt": "hi"}, 400, ["model"]),
     ("unknown model", {"model": "gpt-9", "prompt": "hi"}, 404, ["gpt-9"]),
     ("empty prompt", {"model": MODEL, "prompt": ""}, 400, ["empty"]),
-    ("two prompts", {"model": MODEL, "prompt": ["a", "b"]}, 400, ["one prompt"]),
+    ("33 prompts", {"model": MODEL, "prompt": ["a"] * 33}, 400, ["at most 32 prompts"]),
+    ("an empty prompt among several", {"model": MODEL, "prompt": ["a", ""]}, 400, ["prompt 1 is empty"]),
+    ("a bad token among several prompts", {"model": MODEL, "prompt": [[1, 2], [1, 999999]]}, 400, ["prompt.1", "999999"]),
+    ("echo with logprobs, streamed", {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, 400, ["echo"]),
     ("five stops", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, ["stop"]),
     ("token id out of range", {"model": MODEL, "prompt": [1, 999999]}, 400, ["999999"]),
     ("bad logit_bias", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, ["logit_bias"]),
@@ -285,7 +289,7 @@ def test_fuzzed_requests_never_get_a_server_error(one_worker) -> None:
     _, gw = one_worker
     schema = schemathesis.openapi.from_url(gw.url + "/openapi.json")
     operations = [r.ok() for r in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models"}
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"}
     seen: dict[int, int] = {}
     for op in operations:
 

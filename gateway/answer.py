@@ -1,0 +1,143 @@
+"""Answering a request: its jobs (one, or one per prompt of a completion request) dispatched, relayed and shaped.
+
+Every job of a request is admitted before any is relayed, so a request is refused whole
+(503) rather than half answered; jobs already enqueued are then cancelled. Jobs run in
+parallel on the pool and are relayed in prompt order; choice ``i`` of prompt ``p`` is
+index ``p * n + i``, as in OpenAI's API. Whatever ends the request, every job not finished
+is cancelled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import redis
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from gateway import metrics
+from gateway.errors import APIError, Overloaded, WorkerFailed
+from gateway.prepare import Prepared
+from gateway.relay import relay
+from gateway.responses import StreamChunks, chat_body, completion_body, merged_extra, sum_usage
+from gateway.tenants import Tenant
+from worker.protocol import JobResult, TokenEvent, cancel_key
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+log = logging.getLogger("kvpool.gateway")
+
+
+@dataclass
+class Submitted:
+    prepared: Prepared
+    job_id: str
+    offset: int
+    done: bool = False
+
+
+async def submit_all(gw: Gateway, prepared: list[Prepared], tenant: Tenant) -> list[Submitted]:
+    jobs: list[Submitted] = []
+    try:
+        for p in prepared:
+            job_id, route = await run_in_threadpool(gw.dispatcher.dispatch, p.spec)
+            jobs.append(Submitted(p, job_id, len(jobs) * p.spec.sampling.n))
+            log.info("request.routed", extra={"job": job_id, "tenant": tenant.id, "queue": route.queue, "reason": route.reason, "prompt_tokens": len(p.spec.tokens)})
+    except BaseException:
+        await cancel_unfinished(gw, jobs)
+        raise
+    metrics.TENANT_REQUESTS.labels(tenant.id).inc()
+    return jobs
+
+
+async def cancel_unfinished(gw: Gateway, jobs: list[Submitted]) -> None:
+    with anyio.CancelScope(shield=True):
+        for j in jobs:
+            if not j.done:
+                try:
+                    await gw.aredis.set(cancel_key(j.job_id), 1, ex=600)
+                except redis.RedisError as e:
+                    log.warning("job.cancel_failed", extra={"job": j.job_id, "reason": str(e)})
+
+
+def body_of(job: Submitted, model: str, result: JobResult, tokens: list[TokenEvent], want_logprobs: bool) -> dict[str, Any]:
+    p = job.prepared
+    if p.chat:
+        return chat_body(job.job_id, model, result, tokens, want_logprobs, tools=p.tools)
+    return completion_body(job.job_id, model, result, tokens, want_logprobs, echo=p.echo, offset=job.offset)
+
+
+async def whole(gw: Gateway, request: Request, jobs: list[Submitted], want_logprobs: bool) -> dict[str, Any]:
+    """The whole response: each job's events collected, its body built, the bodies merged."""
+    t0, endpoint = time.perf_counter(), "chat" if jobs[0].prepared.chat else "completions"
+    bodies: list[dict[str, Any]] = []
+    results: list[JobResult] = []
+    try:
+        for job in jobs:
+            tokens: list[TokenEvent] = []
+            async for ev in relay(gw._relay_context(request, job.prepared, job.job_id, t0, endpoint)):
+                if isinstance(ev, TokenEvent):
+                    tokens.append(ev)
+                elif isinstance(ev, JobResult):
+                    job.done = True
+                    results.append(ev)
+                    bodies.append(body_of(job, gw.preparer.model_name, ev, tokens, want_logprobs))
+            if not job.done:
+                raise WorkerFailed("the job ended without a result")
+    finally:
+        await cancel_unfinished(gw, jobs)
+    if len(bodies) == 1:
+        return bodies[0]
+    return {
+        **bodies[0],
+        "choices": [c for b in bodies for c in b["choices"]],
+        "usage": sum_usage([b["usage"] for b in bodies]),
+        "kvpool": merged_extra(results),
+    }
+
+
+def _data(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+async def sse(gw: Gateway, request: Request, jobs: list[Submitted], include_usage: bool, want_logprobs: bool) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed response: each job's chunks in turn, then usage, then ``[DONE]``."""
+    t0, endpoint = time.perf_counter(), "chat" if jobs[0].prepared.chat else "completions"
+    results: list[JobResult] = []
+    chunks = None
+    try:
+        for job in jobs:
+            p = job.prepared
+            n = p.spec.sampling.n
+            chunks = StreamChunks(jobs[0].job_id, gw.preparer.model_name, p.chat, want_logprobs, n, offset=job.offset, echo=p.echo, tools=p.tools)
+            if (head := chunks.first()) is not None:
+                yield _data(head)
+            events = relay(gw._relay_context(request, p, job.job_id, t0, endpoint))
+            try:
+                async for ev in events:
+                    for chunk in chunks.token(ev) if isinstance(ev, TokenEvent) else chunks.last(ev):
+                        yield _data(chunk)
+                    if isinstance(ev, JobResult):
+                        job.done = True
+                        results.append(ev)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await events.aclose()
+        if include_usage and chunks is not None:
+            yield _data(chunks.usage(results))
+    except APIError as e:
+        log.warning("stream.failed", extra={"job": jobs[0].job_id, "status": e.status, "reason": e.message})
+        yield _data(e.body())
+    except redis.RedisError as e:
+        log.error("stream.failed", extra={"job": jobs[0].job_id, "reason": f"{type(e).__name__}: {e}"})
+        yield _data(Overloaded(f"the job queue (Redis) was lost mid-stream: {type(e).__name__}", code="queue_unavailable").body())
+    finally:
+        await cancel_unfinished(gw, jobs)
+    yield b"data: [DONE]\n\n"

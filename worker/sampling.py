@@ -1,0 +1,151 @@
+"""Sampling from an evaluated prompt: one or ``n`` choices, penalties, a grammar, logprobs.
+
+The prompt is evaluated (or restored) once. Each further choice rewinds the context to
+the end of the prompt (`Rewind`), which costs the last two prompt tokens: they are
+evaluated again in one two-token batch, and llama.cpp gives a batch of two or more
+tokens the same bits whatever the split, so every choice samples its first token from
+logits bit-identical to a cold evaluation's (see `worker.engine`).
+
+Choice ``i`` of a request with a seed samples with seed ``seed + i``: choices differ,
+and each is reproducible.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import llama_cpp
+import numpy as np
+
+from worker.llama_state import is_end_of_generation, last_logits
+from worker.protocol import JobSpec, SamplingParams, TokenEvent
+from worker.textstream import TextStream
+
+Emit = Callable[[TokenEvent], bool]
+"""Sends one token event; returns False when the job was cancelled."""
+Rewind = Callable[[], None]
+"""Brings the context back to the evaluated prompt, its last token's logits fresh."""
+
+
+@dataclass
+class Output:
+    """One choice as it was generated."""
+
+    index: int = 0
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish: str = "length"
+    t_first: float | None = None
+
+
+def sample_choices(llm: llama_cpp.Llama, spec: JobSpec, emit: Emit, after_first: Callable[[], None], n_ctx: int, rewind: Rewind) -> list[Output]:
+    """The job's ``n`` choices, one after the other; a cancelled choice ends the job."""
+    outs: list[Output] = []
+    grammar = llama_cpp.LlamaGrammar.from_string(spec.sampling.grammar, verbose=False) if spec.sampling.grammar else None
+    for i in range(spec.sampling.n):
+        if i:
+            rewind()
+        out = _one(llm, spec, emit, after_first if i == 0 else _nothing, n_ctx, i, grammar)
+        outs.append(out)
+        if out.finish == "cancelled":
+            break
+    return outs
+
+
+def _nothing() -> None:
+    return None
+
+
+def _seed(s: SamplingParams, index: int) -> int:
+    return (s.seed + index) % 2**32 if s.seed is not None else random.randrange(2**32)
+
+
+def _one(
+    llm: llama_cpp.Llama,
+    spec: JobSpec,
+    emit: Emit,
+    after_first: Callable[[], None],
+    n_ctx: int,
+    index: int,
+    grammar: llama_cpp.LlamaGrammar | None,
+) -> Output:
+    """Sample one choice, streaming each token; ``after_first`` runs once its first token is out."""
+    s = spec.sampling
+    out = Output(index=index)
+    llm.set_seed(_seed(s, index))
+    stream = TextStream(llm, s.stop)
+    budget = min(s.max_tokens, n_ctx - len(spec.tokens))
+    gen = llm.generate(
+        spec.tokens,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        min_p=s.min_p,
+        temp=s.temperature,
+        repeat_penalty=s.repeat_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logits_processor=_bias(s.logit_bias) if s.logit_bias else None,
+        grammar=grammar,
+        reset=True,
+    )
+    try:
+        for tok in gen if budget > 0 else ():
+            first = out.t_first is None
+            if first:
+                out.t_first = time.perf_counter()
+            if is_end_of_generation(llm, tok):
+                out.finish = "stop"
+                break
+            out.tokens.append(tok)
+            if not emit(token_event(llm, tok, stream.push(tok), s.logprobs, out)):
+                out.finish = "cancelled"
+                break
+            if first:
+                after_first()
+            if stream.stopped or len(out.tokens) >= budget:
+                out.finish = "stop" if stream.stopped else "length"
+                break
+    finally:
+        gen.close()
+    if out.finish != "cancelled" and not stream.stopped and (tail := stream.flush()):
+        emit(TokenEvent(text=tail, token=-1, index=index))
+    out.text = stream.text
+    return out
+
+
+def token_event(llm: llama_cpp.Llama, tok: int, text: str, top_n: int | None, out: Output) -> TokenEvent:
+    if top_n is None:
+        return TokenEvent(text=text, token=tok, index=out.index)
+    lp, top = logprobs_of(llm, last_logits(llm), tok, top_n)
+    out.logprobs.append(lp)
+    piece = llm.detokenize([tok]).decode("utf-8", "replace")
+    return TokenEvent(text=text, token=tok, piece=piece, logprob=lp, top_logprobs=top, index=out.index)
+
+
+def logprobs_of(llm: llama_cpp.Llama, logits: np.ndarray, tok: int, top_n: int) -> tuple[float, dict[str, float] | None]:
+    """The log-probability of ``tok`` under ``logits`` (the model's, before any sampler), and the ``top_n`` best."""
+    logits = logits.astype(np.float64)
+    m = logits.max()
+    logz = m + np.log(np.exp(logits - m).sum())
+    lp = float(logits[tok] - logz)
+    if not top_n:
+        return lp, None
+    best = np.argpartition(-logits, top_n)[:top_n]
+    best = best[np.argsort(-logits[best])]
+    top = {llm.detokenize([int(i)]).decode("utf-8", "replace"): float(logits[i] - logz) for i in best}
+    return lp, top
+
+
+def _bias(bias: dict[int, float]) -> llama_cpp.LogitsProcessorList:
+    ids = np.fromiter(bias.keys(), dtype=np.int64)
+    values = np.fromiter(bias.values(), dtype=np.float32)
+
+    def apply(_input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        scores[ids] += values
+        return scores
+
+    return llama_cpp.LogitsProcessorList([apply])

@@ -1,0 +1,74 @@
+"""Prompt-token logprobs (``echo`` with ``logprobs``), as evaluation harnesses use them for log-likelihood.
+
+They come from the one evaluation of the prompt, with logits kept at every position. A
+restored prefix has no logits (the store keeps KV cells, not outputs), so a scored prompt
+is always evaluated from the start: every answer is then the cold one. Its chunks are
+still published, so the prefix serves later plain requests.
+
+Asking llama.cpp for every position's logits changes how many rows its last matrix
+product has, which may move the last bits of the last position's logits. The last two
+prompt tokens are therefore evaluated again as a normal batch afterwards, so the first
+generated token is sampled from the same logits as in an unscored job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import llama_cpp
+import numpy as np
+
+from worker.llama_state import batch_sizes, evaluate_prompt
+from worker.protocol import TokenEvent
+
+ROWS = 64
+"""Positions turned into log-probabilities at a time (bounds the float64 working set)."""
+
+
+def score_prompt(llm: llama_cpp.Llama, tokens: Sequence[int], top_n: int) -> list[TokenEvent]:
+    """Evaluate ``tokens`` from an empty context; each token's logprob under the ones before it (the first has none)."""
+    n_vocab = llm.n_vocab()
+    n_batch = min(llm.n_batch, int(llm.context_params.n_ubatch))
+    llm.n_tokens = 0
+    llm._ctx.kv_cache_seq_rm(-1, 0, -1)  # noqa: SLF001 - as Llama.eval does before it decodes
+    out = [_event(llm, tokens[0], None, None)]
+    pos = 0
+    for size in batch_sizes(len(tokens), n_batch):
+        batch = list(tokens[pos : pos + size])
+        llm._batch.set_batch(batch=batch, n_past=pos, logits_all=True)  # noqa: SLF001
+        llm._ctx.decode(llm._batch)  # noqa: SLF001
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(size, n_vocab))  # noqa: SLF001
+        nxt = list(tokens[pos + 1 : pos + size + 1])
+        for lo in range(0, len(nxt), ROWS):
+            out += _rows(llm, logits[lo : lo + ROWS], nxt[lo : lo + ROWS], top_n)
+        llm.input_ids[pos : pos + size] = batch
+        llm.n_tokens = pos + size
+        pos += size
+    llm._requires_eval = False  # noqa: SLF001
+    evaluate_prompt(llm, tokens, max(0, len(tokens) - 2))
+    return out
+
+
+def _rows(llm: llama_cpp.Llama, logits: np.ndarray, targets: list[int], top_n: int) -> list[TokenEvent]:
+    rows = logits[: len(targets)].astype(np.float64)
+    m = rows.max(axis=1, keepdims=True)
+    logz = m[:, 0] + np.log(np.exp(rows - m).sum(axis=1))
+    events = []
+    for j, tok in enumerate(targets):
+        lp = float(rows[j, tok] - logz[j])
+        top = None
+        if top_n:
+            best = np.argpartition(-rows[j], top_n)[:top_n]
+            best = best[np.argsort(-rows[j, best])]
+            top = {_piece(llm, int(i)): float(rows[j, i] - logz[j]) for i in best}
+        events.append(_event(llm, tok, lp, top))
+    return events
+
+
+def _piece(llm: llama_cpp.Llama, tok: int) -> str:
+    return llm.detokenize([tok]).decode("utf-8", "replace")
+
+
+def _event(llm: llama_cpp.Llama, tok: int, lp: float | None, top: dict[str, float] | None) -> TokenEvent:
+    piece = _piece(llm, tok)
+    return TokenEvent(text=piece, token=tok, piece=piece, logprob=lp, top_logprobs=top)
