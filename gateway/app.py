@@ -124,37 +124,23 @@ class Gateway:
 
 def create_app(settings: GatewaySettings, model_path: Path | None = None) -> FastAPI:
     """The ASGI app. ``model_path`` defaults to what the settings name (or the packaged SmolLM2)."""
-    from worker.process import resolve_model
+    from worker.model_fetch import resolve_model
 
     gw = Gateway(settings, model_path or resolve_model(settings))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         log.info("gateway.ready", extra={"model": gw.preparer.model_name, "chunk_size": settings.chunk_size, "tenants": len(set(settings.api_keys.values())) or 1})
+        checks = await run_in_threadpool(gw.ready)
+        if isinstance(checks["workers"], str) and "serve" in checks["workers"]:
+            log.warning("gateway.workers_mismatch", extra={"reason": checks["workers"]})
         yield
         await gw.aredis.aclose()
 
     app = FastAPI(title="kvpool", version="0.1.0", lifespan=lifespan, description="OpenAI-compatible API over a kvpool worker pool.")
     app.state.gateway = gw
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return _error_response(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(e)
-        return _error_response(InvalidRequest(message, param=param))
-
-    @app.exception_handler(redis.RedisError)
-    async def _redis_down(request: Request, e: redis.RedisError) -> JSONResponse:
-        log.error("redis.unavailable", extra={"reason": str(e)})
-        return _error_response(Overloaded(f"the job queue (Redis) is unreachable: {type(e).__name__}", code="queue_unavailable", headers={"Retry-After": "5"}))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
-        log.exception("request.failed")
-        return _error_response(APIError(f"internal error: {type(e).__name__}"))
+    _add_error_handlers(app)
 
     async def tenant_of(request: Request) -> Tenant:
         return gw.tenants.resolve(request.headers.get("authorization"))
@@ -178,6 +164,37 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
         await tenant_of(request)
         return {"object": "list", "data": [{"id": gw.preparer.model_name, "object": "model", "created": 0, "owned_by": "kvpool"}]}
 
+    _add_health_routes(app, gw, settings)
+    app.include_router(tokens_router)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(CountRequests)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every failure becomes one OpenAI-style error body, in this one place."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(e)
+        return _error_response(InvalidRequest(message, param=param))
+
+    @app.exception_handler(redis.RedisError)
+    async def _redis_down(request: Request, e: redis.RedisError) -> JSONResponse:
+        log.error("redis.unavailable", extra={"reason": str(e)})
+        return _error_response(Overloaded(f"the job queue (Redis) is unreachable: {type(e).__name__}", code="queue_unavailable", headers={"Retry-After": "5"}))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("request.failed")
+        return _error_response(APIError(f"internal error: {type(e).__name__}"))
+
+
+def _add_health_routes(app: FastAPI, gw: Gateway, settings: GatewaySettings) -> None:
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
@@ -192,8 +209,3 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
-
-    app.include_router(tokens_router)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(CountRequests)
-    return app

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from gateway.settings import GatewaySettings
 from store.redis_server import RedisServer, free_port, stop_process
-from worker.process import resolve_model
+from worker.model_fetch import resolve_model
 from worker.spawn import WorkerProcess
 
 Say = Callable[[str], None]

@@ -18,7 +18,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from worker.kvchunks import (
+from worker.kvstate import (
     GGML_BLOCKS,
     GGML_TYPE_BF16,
     GGML_TYPE_F16,

@@ -24,6 +24,7 @@ from store.errors import StoreUnavailable
 from store.s3 import s3_client
 from store.settings import StoreSettings
 from worker.packaged import sha256_of
+from worker.settings import WorkerSettings
 
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -83,3 +84,17 @@ def _cached(dest: Path, stamp: Path, want: dict[str, object], sha256: str | None
         return False
     same = have.get("etag") == want["etag"] and have.get("size") == want["size"] == dest.stat().st_size
     return same and (sha256 is None or have.get("sha256") == sha256)
+
+
+def resolve_model(settings: WorkerSettings) -> Path:
+    """The model file to load: a path, an ``s3://`` URL (downloaded once), or the packaged SmolLM2 by default."""
+    if not settings.model:
+        from worker.packaged import DEFAULT_MODEL, ensure_packaged
+
+        return ensure_packaged(DEFAULT_MODEL, settings.state_dir / "models")
+    if settings.model.startswith("s3://"):
+        return fetch_model(settings.model, settings, sha256=settings.model_sha256 or None)
+    path = Path(settings.model)
+    if not path.is_file():
+        raise FileNotFoundError(f"model not found: {path}")
+    return path

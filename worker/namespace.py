@@ -13,7 +13,7 @@ from __future__ import annotations
 import llama_cpp
 
 from store.chain import KVLayout, Namespace
-from worker.kvchunks import PAYLOAD_VERSION
+from worker.kvstate import PAYLOAD_VERSION
 from worker.llama_state import attn_rot_disabled
 from worker.settings import WorkerSettings
 

@@ -28,7 +28,8 @@ from store.errors import StoreError, StoreUnavailable
 from store.store import Fetched, Store
 from store.tails import Hit
 from worker import metrics
-from worker.kvchunks import StateFormatError, cut_state, head_cells, join_state
+from worker.kvchunks import cut_state, head_cells, join_state
+from worker.kvstate import StateFormatError
 from worker.leases import Claim, EvalRate, Leases, leased_by_others
 from worker.llama_state import KvLayout, StateReadError, StateRestoreError, read_seq_state, restore_seq_state
 

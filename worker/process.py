@@ -45,6 +45,7 @@ from worker import jobs, metrics
 from worker.advert import Serving, advertise, adverts, withdraw
 from worker.engine import Engine
 from worker.health import Health, self_check_outcome, serve
+from worker.model_fetch import resolve_model
 from worker.protocol import WORKER_QUEUE_PREFIX, worker_queue
 from worker.settings import WorkerSettings
 
@@ -173,22 +174,6 @@ def rescue_orphaned_queues(conn: redis.Redis, shared: Queue) -> int:
         if moved:
             log.info("rescue.moved", extra={"from": q.name, "jobs": moved})
     return moved
-
-
-def resolve_model(settings: WorkerSettings) -> Path:
-    """The model file to load: a path, an ``s3://`` URL (downloaded once), or the packaged SmolLM2 by default."""
-    if not settings.model:
-        from worker.packaged import DEFAULT_MODEL, ensure_packaged
-
-        return ensure_packaged(DEFAULT_MODEL, settings.state_dir / "models")
-    if settings.model.startswith("s3://"):
-        from worker.model_fetch import fetch_model
-
-        return fetch_model(settings.model, settings, sha256=settings.model_sha256 or None)
-    path = Path(settings.model)
-    if not path.is_file():
-        raise FileNotFoundError(f"model not found: {path}")
-    return path
 
 
 def open_store(settings: WorkerSettings) -> Store | None:

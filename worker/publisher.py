@@ -19,7 +19,8 @@ from store.chain import Namespace, tail_key
 from store.errors import StoreError
 from store.store import Store
 from worker import metrics
-from worker.kvchunks import Buffer, StateFormatError, cut_cells, cut_state
+from worker.kvchunks import cut_cells, cut_state
+from worker.kvstate import Buffer, StateFormatError
 
 log = logging.getLogger("kvpool.worker.publish")
 

@@ -160,7 +160,7 @@ def _run(
     show_progress: bool,
 ) -> int:
     """Prepare the lines still to do, answer the rejected ones, plan and run the rest under a progress bar."""
-    from worker.process import resolve_model
+    from worker.model_fetch import resolve_model
 
     try:
         preparer = Preparer(settings, resolve_model(settings))

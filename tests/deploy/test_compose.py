@@ -342,7 +342,7 @@ def test_model_job_fails_on_a_missing_own_model(shell: str, services: dict[str, 
 
 @pytest.mark.parametrize("shell", SHELLS)
 def test_model_job_leaves_s3_models_to_the_workers(shell: str, services: dict[str, Any], tmp_path: Path) -> None:
-    """KVPOOL_MODEL=s3://... is what worker.process.resolve_model downloads itself: the job neither generates nor fails."""
+    """KVPOOL_MODEL=s3://... is what worker.model_fetch.resolve_model downloads itself: the job neither generates nor fails."""
     _fake_command(tmp_path, "kvpool", "echo called >&2; exit 3\n")
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "KVPOOL_MODEL": "s3://kvpool/models/kvpool-tiny-s0.gguf"}
     r = subprocess.run([shell, "-c", _script(services["model"])], env=env, check=False, capture_output=True, text=True, timeout=30)

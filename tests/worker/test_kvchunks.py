@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.kvchunks import (
+from worker.kvchunks import cut_state, describe_payload, join_state
+from worker.kvstate import (
     GGML_TYPE_F16,
     GGML_TYPE_F32,
     GGML_TYPE_Q8_0,
@@ -23,11 +24,7 @@ from worker.kvchunks import (
     LayerLayout,
     StateFormatError,
     StateLayout,
-    cut_state,
-    describe_payload,
     describe_state,
-    join_state,
-    kv_bytes_per_token,
     state_cell_count,
 )
 from worker.llama_state import read_seq_state
@@ -173,12 +170,12 @@ def test_an_empty_state() -> None:
         join_state([], v_trans=False)
 
 
-def test_kv_bytes_per_token() -> None:
+def test_bytes_per_token() -> None:
     # TinyLlama 1.1B: 22 layers, 4 KV heads x 64.
-    assert kv_bytes_per_token(22, 256, 256) == 12 + 22 * (512 + 512) == 22540
-    assert kv_bytes_per_token(22, 256, 256, GGML_TYPE_Q8_0, GGML_TYPE_Q8_0) == 12 + 22 * 2 * (256 // 32 * 34)
+    assert StateLayout.uniform(22, 256, 256).bytes_per_token == 12 + 22 * (512 + 512) == 22540
+    assert StateLayout.uniform(22, 256, 256, GGML_TYPE_Q8_0, GGML_TYPE_Q8_0).bytes_per_token == 12 + 22 * 2 * (256 // 32 * 34)
     with pytest.raises(ValueError):
-        kv_bytes_per_token(1, 100, 128, GGML_TYPE_Q8_0, GGML_TYPE_F16)
+        StateLayout.uniform(1, 100, 128, GGML_TYPE_Q8_0, GGML_TYPE_F16)
 
 
 @settings(max_examples=60, deadline=None, database=None)

@@ -23,7 +23,8 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from worker.kvchunks import StateFormatError, cut_state, describe_state, join_state
+from worker.kvchunks import cut_state, join_state
+from worker.kvstate import StateFormatError, describe_state
 from worker.llama_state import (
     StateRestoreError,
     cache_type_id,
