@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from worker.bench.cli import bench_command
-from worker.bench.runner import PROFILES, cold_subset
+from worker.bench.plan import PROFILES, cold_subset
 from worker.bench.systems import Sample
 from worker.bench.workloads import TokenSource, build
 

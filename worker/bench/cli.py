@@ -86,64 +86,73 @@ def bench_command(
     plots to --out. The default run (bench and tiny models) takes about 25 minutes on
     2 idle cores; --quick well under a minute.
     """
-    from worker.bench.report import analyze, print_table, write_outputs
-    from worker.bench.runner import PROFILES, ModelRun, run_bench
-    from worker.genmodel import ensure_model
-
     if from_json is not None:
-        doc = json.loads(from_json.read_text())
-        analyze(doc)
-        print_table(doc)
-        for path in write_outputs(doc, out):
-            click.echo(f"wrote {path}")
+        _finish(json.loads(from_json.read_text()), out)
         return
-
     keys = tuple(k.strip() for k in workloads.split(",") if k.strip())
     unknown = [k for k in keys if k not in WORKLOAD_KEYS]
     if unknown or not keys:
         raise click.BadParameter(f"choose from {', '.join(WORKLOAD_KEYS)}", param_hint="--workloads")
+    overrides = {"repeats": repeats, "cold_repeats": cold_repeats, "threads": threads, "max_tokens": max_tokens, "chunk_size": chunk_size}
+    runs = _runs(quick, sizes, model_path, models_dir, keys, overrides)
+    _finish(_run_with_sigterm(runs, out, store, s3_endpoint_url, seed, _command_line(ctx), max_foreign_load), out)
+
+
+def _runs(quick: bool, sizes: tuple[str, ...], model_path: Path | None, models_dir: Path, keys: tuple[str, ...], o: dict[str, int | None]) -> list[object]:
+    """One run per model: the generated sizes asked for, or the user's own model, each with its profile tuned by the options."""
+    from worker.bench.plan import PROFILES, ModelRun
+    from worker.genmodel import ensure_model
 
     def tuned(name: str) -> object:
         prof = PROFILES[name]
-        sz = replace(prof.sizes, shared_questions=repeats) if repeats else prof.sizes
+        sz = replace(prof.sizes, shared_questions=o["repeats"]) if o["repeats"] else prof.sizes
         return replace(
             prof,
             sizes=sz,
             workloads=keys,
-            cold_repeats=cold_repeats if cold_repeats else prof.cold_repeats,
-            threads=threads or prof.threads,
-            max_tokens=max_tokens or prof.max_tokens,
-            chunk_size=chunk_size or prof.chunk_size,
+            cold_repeats=o["cold_repeats"] or prof.cold_repeats,
+            threads=o["threads"] or prof.threads,
+            max_tokens=o["max_tokens"] or prof.max_tokens,
+            chunk_size=o["chunk_size"] or prof.chunk_size,
         )
 
     if model_path is not None:
-        runs = [ModelRun(model_path.stem, model_path, tuned("custom"))]  # type: ignore[arg-type]
-    else:
-        chosen = ("tiny",) if quick else (sizes or ("bench", "tiny"))
-        runs = []
-        for size in chosen:
-            path = models_dir / f"kvpool-{size}-s0.gguf"
-            if not path.exists():
-                click.echo(f"generating the {size} model into {models_dir} (once) ...")
-            runs.append(ModelRun(size, ensure_model(size, models_dir), tuned("quick" if quick else size)))  # type: ignore[arg-type]
+        return [ModelRun(model_path.stem, model_path, tuned("custom"))]  # type: ignore[arg-type]
+    runs: list[object] = []
+    for size in ("tiny",) if quick else (sizes or ("bench", "tiny")):
+        if not (models_dir / f"kvpool-{size}-s0.gguf").exists():
+            click.echo(f"generating the {size} model into {models_dir} (once) ...")
+        runs.append(ModelRun(size, ensure_model(size, models_dir), tuned("quick" if quick else size)))  # type: ignore[arg-type]
+    return runs
+
+
+def _run_with_sigterm(
+    runs: list[object], out: Path, store: str, s3_endpoint_url: str | None, seed: int, command: str, max_foreign_load: float | None
+) -> dict[str, object]:
+    """Run the benchmark; a SIGTERM stops it like Ctrl-C, so its services are stopped too."""
+    from worker.bench.runner import run_bench
 
     try:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     except ValueError:  # not the main thread: leave signals alone
         previous = None
     try:
-        doc = run_bench(runs, out=out, store=store, s3_endpoint_url=s3_endpoint_url, seed=seed,
-                        command=_command_line(ctx), echo=lambda s: click.echo(s), max_foreign_load=max_foreign_load)
+        return run_bench(runs, out=out, store=store, s3_endpoint_url=s3_endpoint_url, seed=seed,  # type: ignore[arg-type]
+                         command=command, echo=lambda s: click.echo(s), max_foreign_load=max_foreign_load)
     except (RuntimeError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _finish(doc: dict[str, object], out: Path) -> None:
+    from worker.bench.report import analyze, print_table, write_outputs
+
     analyze(doc)
     print_table(doc)
     for path in write_outputs(doc, out):
         click.echo(f"wrote {path}")
-
 
 if __name__ == "__main__":
     bench_command()
