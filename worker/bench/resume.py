@@ -33,10 +33,9 @@ from worker.settings import WorkerSettings
 
 
 def _spec(engine: Engine, tokens: list[int]) -> JobSpec:
-    ns = engine.namespace("")
     return JobSpec(
         tokens=tokens,
-        chain=[k.hex() for k in ns.chain(tokens)],
+        chain=[k.hex() for k in engine.prefix_chain("", tokens)],
         chunk_size=engine.settings.chunk_size,
         model=engine.fingerprint,
         sampling=SamplingParams(max_tokens=1, temperature=0.0),
