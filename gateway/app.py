@@ -24,8 +24,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from gateway.answer import sse, submit_all, whole
+from gateway.batch_api import batch_router
+from gateway.batch_service import BatchService
+from gateway.batches import Batches
 from gateway.dispatch import Dispatcher, mismatch
 from gateway.errors import APIError, InvalidRequest, Overloaded
+from gateway.files import Files
 from gateway.middleware import BodyLimit, CountRequests
 from gateway.prepare import Prepared, Preparer
 from gateway.relay import RelayContext
@@ -134,7 +138,10 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
         checks = await run_in_threadpool(gw.ready)
         if isinstance(checks["workers"], str) and "serve" in checks["workers"]:
             log.warning("gateway.workers_mismatch", extra={"reason": checks["workers"]})
+        service = _batch_service(settings, gw)
         yield
+        if service is not None:
+            await run_in_threadpool(service.stop)
         await gw.aredis.aclose()
 
     app = FastAPI(title="kvpool", version="0.1.0", lifespan=lifespan, description="OpenAI-compatible API over a kvpool worker pool.")
@@ -166,7 +173,9 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
 
     _add_health_routes(app, gw, settings)
     app.include_router(tokens_router)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if settings.batch_api:
+        app.include_router(batch_router(settings, Files(open_backend(settings)), Batches(gw.redis), tenant_of))
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, paths={"/v1/files": settings.max_file_bytes})
     app.add_middleware(CountRequests)
     return app
 
@@ -209,3 +218,13 @@ def _add_health_routes(app: FastAPI, gw: Gateway, settings: GatewaySettings) -> 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _batch_service(settings: GatewaySettings, gw: Gateway) -> BatchService | None:
+    """The thread that runs Batch API batches, with a Redis client whose reads outlast the runner's blocking polls."""
+    if not settings.batch_api:
+        return None
+    conn = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=settings.connect_timeout_s, socket_timeout=settings.read_timeout_s + 1)
+    service = BatchService(settings, gw.preparer, Files(open_backend(settings)), conn)
+    service.start()
+    return service

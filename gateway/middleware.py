@@ -29,17 +29,20 @@ class BodyLimit:
     client's own, so a disconnect is still seen.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, paths: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.paths = paths or {}
+        """Other limits for the paths named (file uploads)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.paths.get(scope.get("path", ""), self.max_bytes)
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await send_error(send, PayloadTooLarge(f"request body of {int(declared)} bytes exceeds the limit of {self.max_bytes}"))
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await send_error(send, PayloadTooLarge(f"request body of {int(declared)} bytes exceeds the limit of {limit}"))
             return
         parts: list[bytes] = []
         seen = 0
@@ -49,8 +52,8 @@ class BodyLimit:
                 return  # the client left before its body was complete
             parts.append(message.get("body", b""))
             seen += len(parts[-1])
-            if seen > self.max_bytes:
-                await send_error(send, PayloadTooLarge(f"request body exceeds the limit of {self.max_bytes} bytes"))
+            if seen > limit:
+                await send_error(send, PayloadTooLarge(f"request body exceeds the limit of {limit} bytes"))
                 return
             if not message.get("more_body", False):
                 break

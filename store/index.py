@@ -7,10 +7,12 @@ reader that finds it missing, and `Store.reindex` rebuilds everything from a lis
 Keys (all under a versioned prefix, default ``kvpool:v1:``):
 
 * ``chunk:<key hex>``   -- hash: ``ns``, ``index``, ``size``, ``created``; a tail also has
-                           ``parent`` (hex of the chunk it hangs from)
-* ``tails:<parent hex>`` -- hash: tail key hex -> the tail's tokens (little-endian int32),
-                           at most ``tails_per_parent`` of them, so that one lookup can
-                           pick the tail that matches a prompt furthest
+                           ``parent`` (hex of the chunk it hangs from), a full chunk that is
+                           also a candidate (`add_branch`) has ``branch`` (its parent's hex)
+* ``tails:<parent hex>`` -- hash: candidate key hex -> its tokens (little-endian int32): the
+                           tails hanging from the chunk, and the last full chunk of each
+                           prompt published under it; at most ``tails_per_chunk`` of them,
+                           so that one lookup picks the candidate that matches a prompt furthest
 * ``lru``               -- sorted set of chunk and tail keys by eviction order (lowest goes
                            first); the last-access time is read back from the score
 * ``bytes``             -- total bytes of indexed blobs
@@ -59,54 +61,75 @@ redis.call('INCRBY', KEYS[3], ARGV[3])
 return 1
 """
 
-# Remove entries (a tail also from its parent's tails); returns the bytes freed.
-# KEYS: lru, then chunk hashes; ARGV: bytes key, key prefix, then key hexes.
+# Remove entries (a tail, or a chunk that is also a branch candidate, from its parent's
+# tails); returns the bytes freed. KEYS: lru, then chunk hashes; ARGV: bytes key, key prefix, key hexes.
 _REMOVE = """
 local freed = 0
 for i = 2, #KEYS do
-  local h = redis.call('HMGET', KEYS[i], 'size', 'parent')
+  local h = redis.call('HMGET', KEYS[i], 'size', 'parent', 'branch')
   if h[1] then
     freed = freed + tonumber(h[1])
     redis.call('DEL', KEYS[i])
   end
-  if h[2] then redis.call('HDEL', ARGV[2] .. 'tails:' .. h[2], ARGV[i + 1]) end
+  local parent = h[2] or h[3]
+  if parent then redis.call('HDEL', ARGV[2] .. 'tails:' .. parent, ARGV[i + 1]) end
   redis.call('ZREM', KEYS[1], ARGV[i + 1])
 end
 if freed > 0 then redis.call('DECRBY', ARGV[1], freed) end
 return freed
 """
 
-# Insert a tail once, then keep its parent's newest ``cap`` tails; returns the hexes of
-# the tails this pushed out (their blobs are for the caller to delete), or false when
-# the tail was already indexed.
-# KEYS: chunk hash, lru, bytes, tails hash; ARGV: ns, index, size, created, score, key,
-# parent, tokens, cap, key prefix.
-_ADD_TAIL = """
+# Keep a parent's newest ``cap`` candidates (KEYS: tails hash, lru, bytes; the new one is kept):
+# a pushed-out tail is forgotten (its hex is returned: its blob is the caller's to delete); a
+# pushed-out full chunk stays a chunk and only stops being a candidate.
+_CAP = """
+local function cap_tails(tails, lru, bytes, keep, cap, prefix)
+  local out = {}
+  while redis.call('HLEN', tails) > cap do
+    local names = redis.call('HKEYS', tails)
+    local scores = redis.call('ZMSCORE', lru, unpack(names))
+    local worst, worst_score = nil, nil
+    for i, n in ipairs(names) do
+      local sc = scores[i] and tonumber(scores[i]) or -1
+      if n ~= keep and (worst_score == nil or sc < worst_score) then worst, worst_score = n, sc end
+    end
+    if worst == nil then break end
+    redis.call('HDEL', tails, worst)
+    local chunk = prefix .. 'chunk:' .. worst
+    if redis.call('HEXISTS', chunk, 'branch') == 1 then
+      redis.call('HDEL', chunk, 'branch')
+    else
+      local size = redis.call('HGET', chunk, 'size')
+      if size then redis.call('DECRBY', bytes, size) end
+      redis.call('DEL', chunk)
+      redis.call('ZREM', lru, worst)
+      out[#out + 1] = worst
+    end
+  end
+  return out
+end
+"""
+
+# Insert a tail once, then cap its parent's candidates; returns the tails pushed out, or
+# false when the tail was already indexed. KEYS: chunk hash, lru, bytes, tails hash;
+# ARGV: ns, index, size, created, score, key, parent, tokens, cap, key prefix.
+_ADD_TAIL = _CAP + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return false end
 redis.call('HSET', KEYS[1], 'ns', ARGV[1], 'index', ARGV[2], 'size', ARGV[3], 'created', ARGV[4], 'parent', ARGV[7])
 redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
 redis.call('INCRBY', KEYS[3], ARGV[3])
 redis.call('HSET', KEYS[4], ARGV[6], ARGV[8])
-local out = {}
-local cap = tonumber(ARGV[9])
-while redis.call('HLEN', KEYS[4]) > cap do
-  local names = redis.call('HKEYS', KEYS[4])
-  local scores = redis.call('ZMSCORE', KEYS[2], unpack(names))
-  local worst, worst_score = nil, nil
-  for i, n in ipairs(names) do
-    local sc = scores[i] and tonumber(scores[i]) or -1
-    if n ~= ARGV[6] and (worst_score == nil or sc < worst_score) then worst, worst_score = n, sc end
-  end
-  if worst == nil then break end
-  local chunk = ARGV[10] .. 'chunk:' .. worst
-  local size = redis.call('HGET', chunk, 'size')
-  if size then redis.call('DECRBY', KEYS[3], size) end
-  redis.call('DEL', chunk)
-  redis.call('ZREM', KEYS[2], worst)
-  redis.call('HDEL', KEYS[4], worst)
-  out[#out + 1] = worst
-end
-return out
+return cap_tails(KEYS[4], KEYS[2], KEYS[3], ARGV[6], tonumber(ARGV[9]), ARGV[10])
+"""
+
+# Make an indexed full chunk a candidate of its parent too, like a tail (see `add_branch`);
+# returns the tails pushed out. KEYS: chunk hash, lru, bytes, tails hash; ARGV: key, parent,
+# tokens, cap, key prefix.
+_ADD_BRANCH = _CAP + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
+redis.call('HSET', KEYS[1], 'branch', ARGV[2])
+redis.call('HSET', KEYS[4], ARGV[1], ARGV[3])
+return cap_tails(KEYS[4], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[4]), ARGV[5])
 """
 
 # How many leading chunks are indexed, and the tails of the deepest one (or of the
@@ -164,6 +187,7 @@ class RedisIndex:
         self.endpoint = f"redis://{kwargs.get('host', kwargs.get('path', '?'))}:{kwargs.get('port', '')}/{kwargs.get('db', 0)}"
         self._add = client.register_script(_ADD)
         self._add_tail = client.register_script(_ADD_TAIL)
+        self._add_branch = client.register_script(_ADD_BRANCH)
         self._remove = client.register_script(_REMOVE)
         self._lookup = client.register_script(_LOOKUP)
 
@@ -234,6 +258,16 @@ class RedisIndex:
         keys = [self._chunk(key), self.lru_key, self.bytes_key, f"{self.prefix}tails:{parent.hex()}"]
         out = self._call(lambda: self._add_tail(keys=keys, args=args))
         return None if out is None else [bytes.fromhex(k.decode()) for k in out]
+
+    def add_branch(self, key: bytes, parent: bytes, tokens: bytes, *, cap: int) -> list[bytes]:
+        """Offer an indexed full chunk as a candidate of its parent, like a tail (``tokens``: its token ids).
+
+        A prompt that parts from it inside the chunk then resumes where they part: the
+        chunk's first cells serve it, as a tail's would. Returns the tails this pushed out.
+        """
+        args = [key.hex(), parent.hex(), tokens, cap, self.prefix]
+        keys = [self._chunk(key), self.lru_key, self.bytes_key, f"{self.prefix}tails:{parent.hex()}"]
+        return [bytes.fromhex(k.decode()) for k in self._call(lambda: self._add_branch(keys=keys, args=args))]
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop entries; returns the bytes they accounted for."""

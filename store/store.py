@@ -99,7 +99,7 @@ class Store(Maintenance):
         metrics.LOOKUPS.inc()
         found = self._guard("redis", lambda: self.index.lookup(ns.key, keys))
         c = ns.chunk_size
-        hit = Hit(found.depth, c, best_tail(found.tails, tokens[found.depth * c :]))
+        hit = Hit(found.depth, c, best_tail(found.tails, tokens[found.depth * c :], c))
         metrics.CHUNKS.labels("hit").inc(hit.depth)
         metrics.CHUNKS.labels("miss").inc(len(keys) - hit.depth)
         metrics.TOKENS.labels("hit").inc(hit.tokens)
@@ -110,7 +110,7 @@ class Store(Maintenance):
         self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes], start: int, hit: Hit
     ) -> Fetched:
         """`fetch` for chunks ``start..hit.depth-1``, with ``hit``'s tail fetched alongside and verified as strictly."""
-        name = str(BlobName(ns.key, hit.depth, hit.tail.key, tail=True)) if hit.tail else None
+        name = str(BlobName(ns.key, hit.depth, hit.tail.key, tail=not hit.tail.full)) if hit.tail else None
         pending = self._pool.submit(self._timed_get, name) if name else None
         try:
             chunks = self.fetch(ns, tokens, keys, start, hit.depth)
@@ -138,7 +138,7 @@ class Store(Maintenance):
             return None
         try:
             payload = verify_blob(
-                data, namespace=ns.key, index=depth, parent=ns.parent_of(keys, depth), key=tail.key, tokens=tail.tokens, tail=True
+                data, namespace=ns.key, index=depth, parent=ns.parent_of(keys, depth), key=tail.key, tokens=tail.tokens, tail=not tail.full
             )
         except (BlobCorrupt, BlobMismatch) as e:
             metrics.CORRUPT.labels("corrupt" if isinstance(e, BlobCorrupt) else "mismatch").inc()
@@ -146,7 +146,10 @@ class Store(Maintenance):
             self._quarantine(name, data, tail.key)
             return None
         metrics.BYTES_READ.inc(len(data))
-        self._touch_quietly(keys[:depth], tail=tail.key)
+        if tail.full:  # a chunk keeps a chunk's place in the eviction order, above its children
+            self._touch_quietly([*keys[:depth], tail.key])
+        else:
+            self._touch_quietly(keys[:depth], tail=tail.key)
         return payload
 
     def fetch(
@@ -238,10 +241,19 @@ class Store(Maintenance):
         added = 0
         for i, size in written:
             added += self._guard("redis", lambda: self.index.add(keys[i], ns.key, i, size))
+        last = len(keys) - 1
+        if last in todo:
+            self._offer_branch(ns, keys, last, token_bytes(tokens[last * c : (last + 1) * c]))
         self._touch_quietly(keys[: wanted[-1] + 1])
         if self.max_bytes is not None and written:
             self.gc(self.max_bytes)
         return added
+
+    def _offer_branch(self, ns: Namespace, keys: Sequence[bytes], i: int, raw: bytes) -> None:
+        """A prompt's last full chunk is where the next prompts most often part from it: offer it as a candidate."""
+        pushed = self._guard("redis", lambda: self.index.add_branch(keys[i], ns.parent_of(keys, i), raw, cap=self.tails_per_chunk))
+        for old in pushed:
+            self._delete_quietly(str(BlobName(ns.key, i, old, tail=True)))
 
     def publish_tail(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes], payload: bytes) -> bool:
         """Store the prompt's partial last chunk, ``tokens[len(keys)*C:]``; returns whether it was new.

@@ -2,7 +2,10 @@
 
 A tail is the partial last chunk of a prompt some worker evaluated (`store.chain.tail_key`).
 It hangs from a full chunk, so a lookup that finds the prompt's deepest stored chunk
-also gets every tail hanging from it (`store.index.RedisIndex.lookup`). A cell depends
+also gets every tail hanging from it (`store.index.RedisIndex.lookup`). The last full
+chunk of each published prompt is offered the same way (`RedisIndex.add_branch`): that
+is where a document's next question, say, parts from the one asked before, and its
+first cells serve it up to that point. A cell depends
 only on the tokens up to its own position, so the first ``j`` cells of a tail are exactly
 what a cold evaluation of the prompt would hold wherever the prompt's tokens after that
 chunk start with the tail's first ``j`` tokens. The best tail is the one that agrees
@@ -28,6 +31,8 @@ class TailMatch:
     """All of the stored tail's tokens."""
     usable: int
     """Its leading cells that serve the prompt: the tokens it shares with the prompt's rest."""
+    full: bool = False
+    """A full chunk offered as a candidate, not a tail: stored and verified as a chunk."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ def common_prefix(a: np.ndarray, b: Sequence[int] | np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def best_tail(tails: Mapping[bytes, np.ndarray], rest: Sequence[int] | np.ndarray) -> TailMatch | None:
+def best_tail(tails: Mapping[bytes, np.ndarray], rest: Sequence[int] | np.ndarray, chunk_size: int = 0) -> TailMatch | None:
     """The tail that agrees longest with ``rest`` (the prompt after the deepest stored chunk), if any agrees at all.
 
     Ties go to the shorter tail: fewer bytes to fetch for the same cells.
@@ -59,5 +64,5 @@ def best_tail(tails: Mapping[bytes, np.ndarray], rest: Sequence[int] | np.ndarra
     for key, toks in tails.items():
         n = common_prefix(toks, rest)
         if n and (best is None or n > best.usable or (n == best.usable and len(toks) < len(best.tokens))):
-            best = TailMatch(key, toks, n)
+            best = TailMatch(key, toks, n, full=len(toks) == chunk_size)
     return best

@@ -162,3 +162,25 @@ def test_verify_checks_tails_too(store: Store) -> None:
     report = store.verify()
     assert report.checked == 2 and [n for n, _ in report.bad] == [name]
     assert store.stats()["tails"] == 1
+
+
+def test_a_prompt_that_parts_from_another_inside_its_last_full_chunk_resumes_where_they_part(store: Store) -> None:
+    """A document asked a second question: the first prompt's last full chunk ends past where the two part."""
+    first = prompt(13, 30)  # chunks 0..2 full; the document is its first 21 tokens
+    publish(store, first)
+    second = np.concatenate([first[:21], prompt(14, 6)])
+    keys = NS.chain(second)
+    hit = store.find(NS, second, keys)
+    assert hit.depth == 2 and hit.tail is not None and hit.tail.full, "chunk 2 of the first prompt is offered as a candidate"
+    assert hit.tokens == 21 + int(first[21] == second[21])
+    got = store.fetch_prefix(NS, second, keys, 0, hit)
+    assert len(got.chunks) == 2 and bytes(got.tail) == b"chunk2", "verified as the full chunk it is"
+    assert store.index.count() == 4, "three chunks and the first prompt's tail; the candidate is no extra entry"
+
+
+def test_evicting_a_chunk_that_is_a_candidate_forgets_the_candidate(store: Store) -> None:
+    first = prompt(15, 24)
+    keys = publish(store, first)
+    store.index.remove([keys[2]])
+    second = np.concatenate([first[:20], prompt(16, 4)])
+    assert store.find(NS, second, NS.chain(second)).tokens == 16, "no candidate points at a chunk that is gone"

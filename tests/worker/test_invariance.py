@@ -172,6 +172,19 @@ def test_a_tail_serves_every_prompt_that_shares_its_first_tokens(runners: dict[s
     assert np.array_equal(second.logits, cold.logits) and second.tokens == cold.tokens
 
 
+def test_a_prompt_that_parts_inside_a_stored_full_chunk_resumes_where_they_part(runners: dict[str, Runner], document: list[int]) -> None:
+    """The first question's prompt has a full chunk that runs past the document's end: it serves the second question too."""
+    reuse, restore = runners["reuse"], runners["restore"]
+    doc = document[600:1000]  # 400 tokens: chunk 1 of each prompt spans the document's end
+    reuse.ask(doc + document[100:250])
+    restore.engine.forget_context()
+    second = restore.ask(doc + document[300:330])
+    assert second.cached_store == len(doc) + _shared(document[100:250], document[300:330])
+    runners["cold"].engine.forget_context()
+    cold = runners["cold"].ask(doc + document[300:330])
+    assert np.array_equal(second.logits, cold.logits) and second.tokens == cold.tokens
+
+
 def _shared(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
