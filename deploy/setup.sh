@@ -76,7 +76,7 @@ install_python_packages() {
         fi
     fi
     say "installing kvpool and its dependencies into $VENV"
-    "$VENV/bin/pip" install -q --find-links "$WHEELS" -e ".[test]"
+    "$VENV/bin/pip" install -q --find-links "$WHEELS" -e ".[test,bench]"
     echo "$want" >"$stamp"
 }
 

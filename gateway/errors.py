@@ -1,4 +1,18 @@
-"""Every error the API answers with, and the one place that maps them to HTTP status codes and OpenAI's error shape."""
+"""Every error the API answers with, and the one place that maps them to HTTP status codes and OpenAI's error shape::
+
+    APIError (500 server_error)
+    ├── InvalidRequest (400)        the client's mistake, naming the field
+    │   └── ContextOverflow (400)   prompt plus max_tokens beyond the context
+    ├── Unauthorized (401)
+    ├── NotFound (404)              a model, file or batch this tenant does not have
+    ├── PayloadTooLarge (413)
+    ├── Overloaded (503)            queue full, no (matching) worker, Redis away: retry later
+    ├── WorkerFailed (502)          the worker gave up on the job, with its reason
+    └── Timeout (504)
+
+The app's exception handlers (`gateway.app`) turn these, a validation error, a Redis
+error and anything unexpected into OpenAI's error body; nothing else writes one.
+"""
 
 from __future__ import annotations
 

@@ -13,15 +13,13 @@ from gateway.structured import response_grammar
 from gateway.tools import supports_tools, template_messages, template_tools, tool_grammar, uses_tools
 from gateway.tenants import Tenant
 from gateway.tokenizer import TemplateError, Tokenizer
-from store.chain import prefix_namespace
 from store.fingerprint import fingerprint_file
-from worker.protocol import JobSpec, SamplingParams
+from worker.protocol import JobSpec, SamplingParams, job_spec
 
 
 @dataclass(frozen=True)
 class Prepared:
     spec: JobSpec
-    keys: list[bytes]
     chat: bool
     echo: str | None = None
     """The prompt's text, put before the completion (``echo``)."""
@@ -66,7 +64,7 @@ class Preparer:
         if not req.echo:
             return prepared
         text = prompt if isinstance(prompt, str) else self.tokenizer.llm.detokenize(tokens).decode("utf-8", "replace")
-        return Prepared(prepared.spec, prepared.keys, chat=False, echo=text)
+        return Prepared(prepared.spec, chat=False, echo=text)
 
     def chat(self, req: ChatCompletionRequest, tenant: Tenant) -> Prepared:
         self.check_model(req.model)
@@ -90,7 +88,7 @@ class Preparer:
         prepared = self._job(req, tokens, budget, stops, logprobs, tenant, chat=True, grammar=grammar)
         if not req.tools_offered():
             return prepared
-        return Prepared(prepared.spec, prepared.keys, chat=True, tools=tuple(t.function.name for t in req.tools or []))
+        return Prepared(prepared.spec, chat=True, tools=tuple(t.function.name for t in req.tools or []))
 
     def _job(
         self,
@@ -111,13 +109,10 @@ class Preparer:
         bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
         if any(k >= self.tokenizer.n_vocab for k in bias):
             raise InvalidRequest(f"logit_bias token ids must lie in [0, {self.tokenizer.n_vocab})", param="logit_bias")
-        ns = prefix_namespace(self.fingerprint, self.settings.chunk_size, tenant.salt)
-        keys = ns.chain(tokens)
-        spec = JobSpec(
-            tokens=tokens,
-            chain=[k.hex() for k in keys],
-            chunk_size=ns.chunk_size,
+        spec = job_spec(
+            tokens,
             model=self.fingerprint,
+            chunk_size=self.settings.chunk_size,
             tenant_salt=tenant.salt,
             sampling=SamplingParams(
                 max_tokens=max_tokens,
@@ -138,4 +133,4 @@ class Preparer:
             ),
             enqueued_at=time.time(),
         )
-        return Prepared(spec, keys, chat)
+        return Prepared(spec, chat)

@@ -50,7 +50,8 @@ from worker.llama_state import (
     open_llama,
     read_seq_state,
 )
-from worker.protocol import ChoiceResult, JobRejected, JobResult, JobSpec, TokenEvent, Timings, Usage
+from worker.errors import JobRejected
+from worker.protocol import ChoiceResult, JobResult, JobSpec, TokenEvent, Timings, Usage
 from worker.namespace import chain_layout
 from worker.leases import EvalRate, Leases
 from worker.prefix import Plan, PrefixFinder

@@ -18,7 +18,8 @@ from rq import Queue, get_current_job
 
 from worker import metrics
 from worker.advert import adverts
-from worker.protocol import DoneEvent, ErrorEvent, JobRejected, JobSpec, StartEvent, cancel_key, stream_key, worker_queue
+from worker.errors import JobRejected
+from worker.protocol import DoneEvent, ErrorEvent, JobSpec, StartEvent, cancel_key, stream_key, worker_queue
 
 if TYPE_CHECKING:
     from worker.engine import Engine

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 import numpy as np
+from worker.errors import StateFormatError
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
 
@@ -77,8 +78,6 @@ _MAX_LAYERS = 4096
 _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-class StateFormatError(ValueError):
-    """A state blob or payload is not in the layout this module understands."""
 
 
 def ggml_row_bytes(ggml_type: int, n_elements: int) -> int:

@@ -35,6 +35,7 @@ from worker.kvstate import (
     describe_state,
     state_cell_count,
 )
+from worker.errors import StateReadError, StateRestoreError
 
 CACHE_TYPES: dict[str, int] = {
     "f32": GGML_TYPE_F32,
@@ -59,12 +60,6 @@ def attn_rot_disabled() -> bool:
     return bool(m and int(m.group(1)))
 
 
-class StateReadError(RuntimeError):
-    """llama.cpp could not write the sequence's state."""
-
-
-class StateRestoreError(RuntimeError):
-    """llama.cpp did not load the whole blob; the sequence has been left empty."""
 
 
 def cache_type_id(cache_type: str | int) -> int:

@@ -25,12 +25,11 @@ from store.s3 import s3_client
 from store.settings import StoreSettings
 from worker.packaged import sha256_of
 from worker.settings import WorkerSettings
+from worker.errors import ModelChecksumError
 
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
-class ModelChecksumError(RuntimeError):
-    """The model downloaded from the bucket is not the file its sha256 names."""
 
 
 def fetch_model(url: str, settings: StoreSettings, sha256: str | None = None) -> Path:

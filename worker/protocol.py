@@ -18,9 +18,12 @@ token and stops within one.
 
 from __future__ import annotations
 
+import time
 from typing import Literal
 
 from pydantic import BaseModel, Field
+
+from store.chain import prefix_namespace
 
 STREAM_PREFIX = "kvpool:stream:"
 CANCEL_PREFIX = "kvpool:cancel:"
@@ -85,6 +88,30 @@ class JobSpec(BaseModel):
     enqueued_at: float = Field(description="Unix time the gateway enqueued the job (for queue wait).")
     wait_for_publish: bool = Field(
         False, description="Return only once the new chunks are in the store (batch leaders whose siblings wait on them)."
+    )
+
+
+def job_spec(
+    tokens: list[int],
+    *,
+    model: str,
+    chunk_size: int,
+    tenant_salt: str = "",
+    sampling: SamplingParams | None = None,
+    enqueued_at: float | None = None,
+    wait_for_publish: bool = False,
+) -> JobSpec:
+    """The one way to build a job: its prefix keys are hashed here, from its tokens (`store.chain.prefix_namespace`)."""
+    keys = prefix_namespace(model, chunk_size, tenant_salt).chain(tokens)
+    return JobSpec(
+        tokens=tokens,
+        chain=[k.hex() for k in keys],
+        chunk_size=chunk_size,
+        model=model,
+        tenant_salt=tenant_salt,
+        sampling=sampling or SamplingParams(),
+        enqueued_at=time.time() if enqueued_at is None else enqueued_at,
+        wait_for_publish=wait_for_publish,
     )
 
 
@@ -159,8 +186,6 @@ class ErrorEvent(BaseModel):
     retrying: bool = False
 
 
-class JobRejected(Exception):
-    """A job that can never succeed (wrong model, keys that disagree with the tokens, too long): not retried."""
 
 
 JobResult.model_rebuild()

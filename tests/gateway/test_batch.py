@@ -269,7 +269,7 @@ def test_a_failed_leader_hands_its_group_to_the_next_member(start_worker, pool_e
 
 def _request(line: int, chain: list[str], n_tokens: int) -> Request:
     spec = JobSpec(tokens=[5] * n_tokens, chain=chain, chunk_size=POOL_CHUNK, model="m", enqueued_at=0.0)
-    return Request(line, f"r{line}", Prepared(spec, [], False), False)
+    return Request(line, f"r{line}", Prepared(spec, False), False)
 
 
 def test_plan_groups_by_first_chunk_and_leads_with_the_member_sharing_most() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,11 +9,10 @@ import llama_cpp
 import pytest
 import redis
 
-from store.chain import prefix_namespace
 from store.fingerprint import fingerprint_file
 from tests.conftest import POOL_CHUNK
 from worker.client import events, submit
-from worker.protocol import DoneEvent, ErrorEvent, JobResult, JobSpec, SamplingParams, StartEvent, TokenEvent, worker_queue
+from worker.protocol import DoneEvent, ErrorEvent, JobResult, JobSpec, SamplingParams, StartEvent, TokenEvent, job_spec, worker_queue
 from worker.settings import WorkerSettings
 
 
@@ -43,16 +41,14 @@ class PoolClient:
         return self.vocab.tokenize(text.encode())
 
     def spec(self, tokens: list[int], *, tenant: str = "", chain: list[str] | None = None, **sampling: object) -> JobSpec:
-        ns = prefix_namespace(self.fingerprint, POOL_CHUNK, tenant)
-        return JobSpec(
-            tokens=tokens,
-            chain=chain if chain is not None else [k.hex() for k in ns.chain(tokens)],
-            chunk_size=POOL_CHUNK,
+        spec = job_spec(
+            tokens,
             model=self.fingerprint,
+            chunk_size=POOL_CHUNK,
             tenant_salt=tenant,
             sampling=SamplingParams(**{"max_tokens": 24, "temperature": 0.0, **sampling}),
-            enqueued_at=time.time(),
         )
+        return spec if chain is None else spec.model_copy(update={"chain": chain})
 
     def submit(self, spec: JobSpec, *, worker: str | None = None, attempts: int = 3) -> str:
         queue = worker_queue(worker) if worker else self.settings.queue

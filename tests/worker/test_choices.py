@@ -17,7 +17,7 @@ from gateway.tokenizer import Tokenizer
 from tests.conftest import prompt_text
 from worker.engine import Engine
 from worker.llama_state import last_logits
-from worker.protocol import JobResult, JobSpec, SamplingParams, TokenEvent
+from worker.protocol import JobResult, SamplingParams, TokenEvent, job_spec
 from worker.settings import WorkerSettings
 
 pytestmark = pytest.mark.fp_path
@@ -43,15 +43,7 @@ def run(engine: Engine, tokens: list[int], **sampling: object) -> tuple[JobResul
             firsts[ev.index] = last_logits(engine.llm)
         return True
 
-    ns = engine.namespace("")
-    spec = JobSpec(
-        tokens=tokens,
-        chain=[k.hex() for k in ns.chain(tokens)],
-        chunk_size=CHUNK,
-        model=engine.fingerprint,
-        sampling=SamplingParams(**{"max_tokens": 12, **sampling}),
-        enqueued_at=0.0,
-    )
+    spec = job_spec(tokens, model=engine.fingerprint, chunk_size=CHUNK, sampling=SamplingParams(**{"max_tokens": 12, **sampling}))
     return engine.run(spec, emit), firsts
 
 

@@ -26,7 +26,7 @@ from tests.conftest import s3_settings
 from tests.services import S3Server
 from worker.engine import Engine
 from worker.llama_state import batch_sizes, last_logits
-from worker.protocol import JobSpec, SamplingParams, TokenEvent
+from worker.protocol import SamplingParams, TokenEvent, job_spec
 from worker.settings import WorkerSettings
 
 CHUNK = 256
@@ -58,13 +58,11 @@ class Runner:
                 seen.append(last_logits(self.engine.llm))
             return True
 
-        spec = JobSpec(
-            tokens=tokens,
-            chain=[k.hex() for k in self.engine.prefix_chain("", tokens)],
-            chunk_size=CHUNK,
+        spec = job_spec(
+            tokens,
             model=self.engine.fingerprint,
+            chunk_size=CHUNK,
             sampling=SamplingParams(max_tokens=CONTINUATION, temperature=0.0, top_k=1),
-            enqueued_at=0.0,
             wait_for_publish=True,
         )
         result = self.engine.run(spec, emit)

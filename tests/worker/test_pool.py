@@ -56,7 +56,7 @@ def test_a_second_worker_restores_what_the_first_published(start_worker, client,
     second_prompt = prefix + client.tokens(" and where is the harbor lantern")
     second = client.run(second_prompt, worker="w2")
     assert second.worker == "w2"
-    assert second.usage.cached_from_store == lcp(first_prompt, second_prompt) // C * C > 0
+    assert second.usage.cached_from_store == lcp(first_prompt, second_prompt) > 0, "resumed where the prompts part"
     assert second.usage.cached_from_context == 0
     assert second.usage.evaluated_tokens == len(second_prompt) - second.usage.cached_tokens
     assert second.tokens == cold_greedy(cold_llm, second_prompt, 24)

@@ -275,8 +275,12 @@ def _rows_of(run: Run) -> list[list[str]]:
 
 
 def plot(doc: dict[str, Any], out: Path) -> list[str]:
-    """Write ``ttft.png`` and ``tokens.png``; returns their file names."""
-    import matplotlib
+    """Write ``ttft.png`` and ``tokens.png``; returns their file names (none without the ``bench`` extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("no plots: matplotlib is not installed (pip install 'kvpool[bench]')", file=sys.stderr)
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,18 +27,16 @@ import click
 from store.redis_server import RedisServer
 from store.store import Store
 from worker.engine import Engine
-from worker.protocol import JobResult, JobSpec, SamplingParams, TokenEvent
+from worker.protocol import JobResult, JobSpec, SamplingParams, TokenEvent, job_spec
 from worker.settings import WorkerSettings
 
 
 def _spec(engine: Engine, tokens: list[int]) -> JobSpec:
-    return JobSpec(
-        tokens=tokens,
-        chain=[k.hex() for k in engine.prefix_chain("", tokens)],
-        chunk_size=engine.settings.chunk_size,
+    return job_spec(
+        tokens,
         model=engine.fingerprint,
+        chunk_size=engine.settings.chunk_size,
         sampling=SamplingParams(max_tokens=1, temperature=0.0),
-        enqueued_at=time.time(),
         wait_for_publish=True,
     )
 
@@ -74,12 +71,17 @@ def measure(model: Path, n_tokens: int, threads: int, repeats: int, work: Path) 
         try:
             text = (Path(__file__).resolve().parents[2] / "README.md").read_text() * 4
             tokens = engines["cold"].llm.tokenize(text.encode(), add_bos=True)[:n_tokens]
-            turn = tokens + engines["cold"].llm.tokenize(b"\nWhat does the store keep, and where?", add_bos=False)
+            questions = iter(range(10**6))
+
+            def turn() -> list[int]:  # a new question each time: the store holds the prompt, never the turn
+                q = f"\nQuestion {next(questions)}: what does the store keep, and where?".encode()
+                return tokens + engines["cold"].llm.tokenize(q, add_bos=False)
+
             cold_s, _ = _median(lambda: _ask(engines["cold"], tokens, fresh=True), repeats)
             _ask(engines["publisher"], tokens, fresh=True)
             fresh_s, fresh = _median(lambda: _ask(engines["fresh"], tokens, fresh=True), repeats)
-            turn_cold_s, _ = _median(lambda: _ask(engines["cold"], turn, fresh=True), repeats)
-            turn_s, turn_r = _median(lambda: _ask(engines["fresh"], turn, fresh=True), repeats)
+            turn_cold_s, _ = _median(lambda: _ask(engines["cold"], turn(), fresh=True), repeats)
+            turn_s, turn_r = _median(lambda: _ask(engines["fresh"], turn(), fresh=True), repeats)
         finally:
             for e in engines.values():
                 e.close()
@@ -91,7 +93,7 @@ def measure(model: Path, n_tokens: int, threads: int, repeats: int, work: Path) 
         "repeats": repeats,
         "resent": {"cold_ttft_s": cold_s, "fresh_worker_ttft_s": fresh_s, "speedup": cold_s / fresh_s,
                    "restored_tokens": fresh.usage.cached_from_store, "evaluated_tokens": fresh.usage.evaluated_tokens},
-        "next_turn": {"prompt_tokens": len(turn), "cold_ttft_s": turn_cold_s, "fresh_worker_ttft_s": turn_s,
+        "next_turn": {"prompt_tokens": turn_r.usage.prompt_tokens, "cold_ttft_s": turn_cold_s, "fresh_worker_ttft_s": turn_s,
                       "speedup": turn_cold_s / turn_s, "restored_tokens": turn_r.usage.cached_from_store,
                       "evaluated_tokens": turn_r.usage.evaluated_tokens},
     }

@@ -31,7 +31,6 @@ from typing import Protocol
 
 import redis
 
-from store.chain import prefix_namespace
 from store.fingerprint import fingerprint_file
 from store.index import RedisIndex
 from worker.bench.workloads import Request
@@ -44,6 +43,7 @@ from worker.protocol import (
     JobSpec,
     SamplingParams,
     TokenEvent,
+    job_spec,
     worker_queue,
 )
 from worker.settings import WorkerSettings
@@ -117,11 +117,10 @@ class PoolClient:
         return namespace_for(self.settings, self.fingerprint, tenant).chain(tokens)
 
     def spec(self, tokens: list[int], tenant: str, max_tokens: int) -> JobSpec:
-        return JobSpec(
-            tokens=tokens,
-            chain=[k.hex() for k in prefix_namespace(self.fingerprint, self.chunk_size, tenant).chain(tokens)],
-            chunk_size=self.chunk_size,
+        return job_spec(
+            tokens,
             model=self.fingerprint,
+            chunk_size=self.chunk_size,
             tenant_salt=tenant,
             sampling=SamplingParams(
                 max_tokens=max_tokens,
