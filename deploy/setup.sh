@@ -93,6 +93,10 @@ fetch_model
 case "${1:-}" in
     test)
         shift
+        say "lint: ruff check, ruff format --check, mypy (strict on store/)"
+        "$VENV/bin/ruff" check .
+        "$VENV/bin/ruff" format --check .
+        "$VENV/bin/mypy" store/
         exec "$VENV/bin/python" -m pytest "$@"
         ;;
     demo)

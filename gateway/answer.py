@@ -49,7 +49,16 @@ async def submit_all(gw: Gateway, prepared: list[Prepared], tenant: Tenant) -> l
         for p in prepared:
             job_id, route = await run_in_threadpool(gw.dispatcher.dispatch, p.spec)
             jobs.append(Submitted(p, job_id, len(jobs) * p.spec.sampling.n))
-            log.info("request.routed", extra={"job": job_id, "tenant": tenant.id, "queue": route.queue, "reason": route.reason, "prompt_tokens": len(p.spec.tokens)})
+            log.info(
+                "request.routed",
+                extra={
+                    "job": job_id,
+                    "tenant": tenant.id,
+                    "queue": route.queue,
+                    "reason": route.reason,
+                    "prompt_tokens": len(p.spec.tokens),
+                },
+            )
     except BaseException:
         await cancel_unfinished(gw, jobs)
         raise
@@ -116,7 +125,9 @@ async def sse(gw: Gateway, request: Request, jobs: list[Submitted], include_usag
         for job in jobs:
             p = job.prepared
             n = p.spec.sampling.n
-            chunks = StreamChunks(jobs[0].job_id, gw.preparer.model_name, p.chat, want_logprobs, n, offset=job.offset, echo=p.echo, tools=p.tools)
+            chunks = StreamChunks(
+                jobs[0].job_id, gw.preparer.model_name, p.chat, want_logprobs, n, offset=job.offset, echo=p.echo, tools=p.tools
+            )
             if (head := chunks.first()) is not None:
                 yield _data(head)
             events = relay(gw._relay_context(request, p, job.job_id, t0, endpoint))

@@ -8,7 +8,7 @@ event stream. Every failure is answered in OpenAI's error shape (`gateway.errors
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,6 @@ from store.errors import StoreError
 from worker.advert import adverts
 
 log = logging.getLogger("kvpool.gateway")
-
 
 
 class _ClosingStream(StreamingResponse):
@@ -82,11 +81,15 @@ class Gateway:
         self.settings = settings
         self.preparer = Preparer(settings, model_path)
         self.tenants = Tenants(settings.api_keys, settings.tenant_secret)
-        self.redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=settings.connect_timeout_s, socket_timeout=settings.read_timeout_s)
+        self.redis = redis.Redis.from_url(
+            settings.redis_url, socket_connect_timeout=settings.connect_timeout_s, socket_timeout=settings.read_timeout_s
+        )
         self.aredis = redis.asyncio.Redis.from_url(settings.redis_url, socket_connect_timeout=settings.connect_timeout_s)
         self.dispatcher = Dispatcher(self.redis, settings)
 
-    async def answer(self, request: Request, prepared: list[Prepared], tenant: Tenant, *, stream: bool, include_usage: bool, want_logprobs: bool) -> Response:
+    async def answer(
+        self, request: Request, prepared: list[Prepared], tenant: Tenant, *, stream: bool, include_usage: bool, want_logprobs: bool
+    ) -> Response:
         jobs = await submit_all(self, prepared, tenant)
         if stream:
             return _ClosingStream(sse(self, request, jobs, include_usage, want_logprobs), media_type="text/event-stream")
@@ -100,7 +103,15 @@ class Gateway:
             await run_in_threadpool(self.dispatcher.requeue, prepared.spec, job_id)
 
         return RelayContext(
-            request, self.aredis, job_id, t0, self.settings.request_timeout_s, endpoint, any_worker_alive, resubmit, self.dispatcher.job_time.observe
+            request,
+            self.aredis,
+            job_id,
+            t0,
+            self.settings.request_timeout_s,
+            endpoint,
+            any_worker_alive,
+            resubmit,
+            self.dispatcher.job_time.observe,
         )
 
     def ready(self) -> dict[str, Any]:
@@ -134,7 +145,14 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        log.info("gateway.ready", extra={"model": gw.preparer.model_name, "chunk_size": settings.chunk_size, "tenants": len(set(settings.api_keys.values())) or 1})
+        log.info(
+            "gateway.ready",
+            extra={
+                "model": gw.preparer.model_name,
+                "chunk_size": settings.chunk_size,
+                "tenants": len(set(settings.api_keys.values())) or 1,
+            },
+        )
         checks = await run_in_threadpool(gw.ready)
         if isinstance(checks["workers"], str) and "serve" in checks["workers"]:
             log.warning("gateway.workers_mismatch", extra={"reason": checks["workers"]})
@@ -157,7 +175,9 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
         tenant = await tenant_of(request)
         prepared = await run_in_threadpool(gw.preparer.completions, body, tenant)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await gw.answer(request, prepared, tenant, stream=body.stream, include_usage=include_usage, want_logprobs=body.logprobs is not None)
+        return await gw.answer(
+            request, prepared, tenant, stream=body.stream, include_usage=include_usage, want_logprobs=body.logprobs is not None
+        )
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -166,11 +186,7 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await gw.answer(request, [prepared], tenant, stream=body.stream, include_usage=include_usage, want_logprobs=body.logprobs)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        await tenant_of(request)
-        return {"object": "list", "data": [{"id": gw.preparer.model_name, "object": "model", "created": 0, "owned_by": "kvpool"}]}
-
+    _add_models_route(app, gw, tenant_of)
     _add_health_routes(app, gw, settings)
     app.include_router(tokens_router)
     if settings.batch_api:
@@ -195,7 +211,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(redis.RedisError)
     async def _redis_down(request: Request, e: redis.RedisError) -> JSONResponse:
         log.error("redis.unavailable", extra={"reason": str(e)})
-        return _error_response(Overloaded(f"the job queue (Redis) is unreachable: {type(e).__name__}", code="queue_unavailable", headers={"Retry-After": "5"}))
+        return _error_response(
+            Overloaded(f"the job queue (Redis) is unreachable: {type(e).__name__}", code="queue_unavailable", headers={"Retry-After": "5"})
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:
@@ -224,7 +242,16 @@ def _batch_service(settings: GatewaySettings, gw: Gateway) -> BatchService | Non
     """The thread that runs Batch API batches, with a Redis client whose reads outlast the runner's blocking polls."""
     if not settings.batch_api:
         return None
-    conn = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=settings.connect_timeout_s, socket_timeout=settings.read_timeout_s + 1)
+    conn = redis.Redis.from_url(
+        settings.redis_url, socket_connect_timeout=settings.connect_timeout_s, socket_timeout=settings.read_timeout_s + 1
+    )
     service = BatchService(settings, gw.preparer, Files(open_backend(settings)), conn)
     service.start()
     return service
+
+
+def _add_models_route(app: FastAPI, gw: Gateway, tenant_of: Callable[[Request], Awaitable[Tenant]]) -> None:
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        await tenant_of(request)
+        return {"object": "list", "data": [{"id": gw.preparer.model_name, "object": "model", "created": 0, "owned_by": "kvpool"}]}

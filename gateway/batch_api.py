@@ -75,7 +75,12 @@ def batch_router(settings: GatewaySettings, files: Files, batches: Batches, tena
         tenant = await tenant_of(request)
         recs, more = await run_in_threadpool(batches.list, tenant, limit, after)
         data = [public(r) for r in recs]
-        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": more}
+        return {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": more,
+        }
 
     return router

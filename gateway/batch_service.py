@@ -39,7 +39,13 @@ class Cancelled(Exception):
 def _check_endpoint(entry: Parsed | Rejected, endpoint: str) -> Parsed | Rejected:
     """A line must name the batch's own endpoint, as OpenAI requires."""
     if isinstance(entry, Parsed) and entry.chat != (endpoint == "/v1/chat/completions"):
-        return Rejected(entry.line.number, request_result_id(entry.custom_id), entry.custom_id, "invalid_url", f"url must be the batch's endpoint {endpoint}")
+        return Rejected(
+            entry.line.number,
+            request_result_id(entry.custom_id),
+            entry.custom_id,
+            "invalid_url",
+            f"url must be the batch's endpoint {endpoint}",
+        )
     return entry
 
 
@@ -100,10 +106,17 @@ class BatchService:
         try:
             entries = [_check_endpoint(e, rec["endpoint"]) for e in parse_all(_lines(self.files.content(tenant, rec["input_file_id"])))]
         except NotFound as e:
-            self.batches.update(batch_id, status="failed", failed_at=int(time.time()), errors={"object": "list", "data": [{"code": "file_not_found", "message": e.message}]})
+            self.batches.update(
+                batch_id,
+                status="failed",
+                failed_at=int(time.time()),
+                errors={"object": "list", "data": [{"code": "file_not_found", "message": e.message}]},
+            )
             return
         total = len(entries)
-        self.batches.update(batch_id, status="in_progress", in_progress_at=rec["in_progress_at"] or int(time.time()), request_counts=out.counts(total))
+        self.batches.update(
+            batch_id, status="in_progress", in_progress_at=rec["in_progress_at"] or int(time.time()), request_counts=out.counts(total)
+        )
         log.info("batch.running", extra={"batch": batch_id, "lines": total, "already_done": len(out.done), "gateway": self.owner})
         try:
             self._answer(batch_id, tenant, [e for e in entries if result_id_of(e) not in out.done], out, total)
@@ -135,8 +148,17 @@ class BatchService:
                 raise Cancelled
 
         window = max(1, self.settings.max_waiting_jobs // 2)
-        runner = Runner(self.conn, self.settings, self.preparer.model_name, plan(requests, self.settings.chunk_size), out, tally,  # type: ignore[arg-type]
-                        window=window, worker_grace_s=self.settings.batch_worker_grace_s, on_change=changed)
+        runner = Runner(
+            self.conn,
+            self.settings,
+            self.preparer.model_name,
+            plan(requests, self.settings.chunk_size),
+            out,
+            tally,  # type: ignore[arg-type]
+            window=window,
+            worker_grace_s=self.settings.batch_worker_grace_s,
+            on_change=changed,
+        )
         try:
             runner.run()
         except (Cancelled, BatchAborted):
@@ -156,8 +178,13 @@ class BatchService:
 
         now = int(time.time())
         self.batches.update(
-            rec["id"], status=status, output_file_id=file_of(ok, "output"), error_file_id=file_of(bad, "error"),
-            request_counts=out.counts(total), finalizing_at=now, **{f"{status}_at": now},
+            rec["id"],
+            status=status,
+            output_file_id=file_of(ok, "output"),
+            error_file_id=file_of(bad, "error"),
+            request_counts=out.counts(total),
+            finalizing_at=now,
+            **{f"{status}_at": now},
         )
         self.conn.delete(out.key)
         log.info("batch.done", extra={"batch": rec["id"], "status": status, **out.counts(total)})

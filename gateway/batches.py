@@ -51,13 +51,28 @@ class Batches:
             raise InvalidRequest("completion_window must be '24h'", param="completion_window")
         now = int(time.time())
         rec: dict[str, Any] = {
-            "id": f"batch_{uuid.uuid4().hex[:24]}", "object": "batch", "endpoint": endpoint, "errors": None,
-            "input_file_id": input_file_id, "completion_window": window, "status": "validating",
-            "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
-            "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None, "failed_at": None,
-            "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-            "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
-            "_tenant": tenant.id, "_salt": tenant.salt,
+            "id": f"batch_{uuid.uuid4().hex[:24]}",
+            "object": "batch",
+            "endpoint": endpoint,
+            "errors": None,
+            "input_file_id": input_file_id,
+            "completion_window": window,
+            "status": "validating",
+            "output_file_id": None,
+            "error_file_id": None,
+            "created_at": now,
+            "in_progress_at": None,
+            "expires_at": now + 24 * 3600,
+            "finalizing_at": None,
+            "completed_at": None,
+            "failed_at": None,
+            "expired_at": None,
+            "cancelling_at": None,
+            "cancelled_at": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "metadata": metadata,
+            "_tenant": tenant.id,
+            "_salt": tenant.salt,
         }
         pipe = self.conn.pipeline()
         pipe.set(BATCH_PREFIX + rec["id"], json.dumps(rec))

@@ -116,7 +116,14 @@ class Dispatcher:
 
     def requeue(self, spec: JobSpec, job_id: str) -> None:
         """Submit an admitted job again (Redis lost it) to the shared queue, without a new admission check."""
-        submit(self.conn, spec, queue=self.settings.queue, attempts=self.settings.job_attempts, timeout_s=self.settings.job_timeout_s, job_id=job_id)
+        submit(
+            self.conn,
+            spec,
+            queue=self.settings.queue,
+            attempts=self.settings.job_attempts,
+            timeout_s=self.settings.job_timeout_s,
+            job_id=job_id,
+        )
 
     def _dispatch(self, spec: JobSpec, depends_on: str | None, job_id: str | None) -> tuple[str, Route]:
         live = adverts(self.conn)
@@ -126,7 +133,9 @@ class Dispatcher:
             raise Overloaded(mismatch(live, spec.model, spec.chunk_size), code="no_matching_worker", headers={"Retry-After": "30"})
         if not ads and not self.settings.queue_without_workers:
             metrics.REJECTED.labels("no_worker").inc()
-            raise Overloaded("no live worker is serving this pool; start one with `kvpool worker`", code="no_workers", headers={"Retry-After": "5"})
+            raise Overloaded(
+                "no live worker is serving this pool; start one with `kvpool worker`", code="no_workers", headers={"Retry-After": "5"}
+            )
         lengths = self._lengths([a.worker for a in ads])
         waiting = sum(lengths.values())
         metrics.QUEUE_DEPTH.set(waiting)

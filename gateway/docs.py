@@ -59,7 +59,7 @@ def render(readme: str) -> str:
         pattern = re.compile(rf"(<!-- {name}:begin -->\n).*?(<!-- {name}:end -->)", re.S)
         if not pattern.search(readme):
             raise ValueError(f"README has no <!-- {name}:begin --> ... <!-- {name}:end --> section")
-        readme = pattern.sub(lambda m: m.group(1) + make() + "\n" + m.group(2), readme)
+        readme = pattern.sub(lambda m, make=make: m.group(1) + make() + "\n" + m.group(2), readme)
     return readme
 
 

@@ -50,12 +50,16 @@ def check_jsonl(data: bytes, max_lines: int) -> int:
         try:
             doc = json.loads(raw)
         except json.JSONDecodeError as e:
-            raise InvalidRequest(f"line {number} is not JSON: {e.msg} (column {e.colno}); a batch file is JSONL", param="file", code="invalid_file") from None
+            raise InvalidRequest(
+                f"line {number} is not JSON: {e.msg} (column {e.colno}); a batch file is JSONL", param="file", code="invalid_file"
+            ) from None
         if not isinstance(doc, dict):
             raise InvalidRequest(f"line {number} is a JSON {type(doc).__name__}, not an object", param="file", code="invalid_file")
         n += 1
         if n > max_lines:
-            raise InvalidRequest(f"the file has more than {max_lines} requests (KVPOOL_BATCH_MAX_REQUESTS)", param="file", code="batch_too_large")
+            raise InvalidRequest(
+                f"the file has more than {max_lines} requests (KVPOOL_BATCH_MAX_REQUESTS)", param="file", code="batch_too_large"
+            )
     if n == 0:
         raise InvalidRequest("the file holds no request", param="file", code="invalid_file")
     return n

@@ -10,9 +10,9 @@ from gateway.errors import ContextOverflow, InvalidRequest, NotFound
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.structured import response_grammar
-from gateway.tools import supports_tools, template_messages, template_tools, tool_grammar, uses_tools
 from gateway.tenants import Tenant
 from gateway.tokenizer import TemplateError, Tokenizer
+from gateway.tools import supports_tools, template_messages, template_tools, tool_grammar, uses_tools
 from store.fingerprint import fingerprint_file
 from worker.protocol import JobSpec, SamplingParams, job_spec
 
@@ -39,7 +39,9 @@ class Preparer:
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise NotFound(f"the model '{name}' does not exist; this gateway serves '{self.model_name}'", param="model", code="model_not_found")
+            raise NotFound(
+                f"the model '{name}' does not exist; this gateway serves '{self.model_name}'", param="model", code="model_not_found"
+            )
 
     def completions(self, req: CompletionRequest, tenant: Tenant) -> list[Prepared]:
         """One job per prompt."""
@@ -60,7 +62,9 @@ class Preparer:
             bad = [t for t in tokens if not 0 <= t < self.tokenizer.n_vocab]
             if bad:
                 raise InvalidRequest(f"{param}: token ids must lie in [0, {self.tokenizer.n_vocab}), got {bad[0]}", param="prompt")
-        prepared = self._job(req, tokens, req.max_tokens, list(req.stop or []), req.logprobs, tenant, chat=False, score=req.echo and req.logprobs is not None)
+        prepared = self._job(
+            req, tokens, req.max_tokens, list(req.stop or []), req.logprobs, tenant, chat=False, score=req.echo and req.logprobs is not None
+        )
         if not req.echo:
             return prepared
         text = prompt if isinstance(prompt, str) else self.tokenizer.llm.detokenize(tokens).decode("utf-8", "replace")

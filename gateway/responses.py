@@ -111,7 +111,9 @@ def chat_body(
     choices = []
     for i, text, finish in _choices(result):
         message, reason = _message(text, finish, tools)
-        choices.append({"index": i, "message": message, "finish_reason": reason, "logprobs": _chat_logprobs(_of(tokens, i)) if want_logprobs else None})
+        choices.append(
+            {"index": i, "message": message, "finish_reason": reason, "logprobs": _chat_logprobs(_of(tokens, i)) if want_logprobs else None}
+        )
     return {
         "id": f"chatcmpl-{job_id}",
         "object": "chat.completion",
@@ -156,8 +158,12 @@ class StreamChunks:
         if not self.chat:
             if not self.echo:
                 return None
-            return self._chunk([{"index": self.offset + i, "text": self.echo, "logprobs": None, "finish_reason": None} for i in range(self.n)])
-        return self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(self.n)])
+            return self._chunk(
+                [{"index": self.offset + i, "text": self.echo, "logprobs": None, "finish_reason": None} for i in range(self.n)]
+            )
+        return self._chunk(
+            [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(self.n)]
+        )
 
     def token(self, t: TokenEvent) -> list[dict[str, Any]]:
         if not t.text and not (self.want_logprobs and t.logprob is not None):
@@ -166,20 +172,27 @@ class StreamChunks:
             lp = _chat_logprobs([t]) if self.want_logprobs else None
             if self.tool_streams is None:
                 return [self._chunk([{"index": t.index, "delta": {"content": t.text}, "logprobs": lp, "finish_reason": None}])]
-            return [self._chunk([{"index": t.index, "delta": d, "logprobs": None, "finish_reason": None}]) for d in self.tool_streams[t.index].push(t.text)]
+            return [
+                self._chunk([{"index": t.index, "delta": d, "logprobs": None, "finish_reason": None}])
+                for d in self.tool_streams[t.index].push(t.text)
+            ]
         lp = _completion_logprobs([t]) if self.want_logprobs else None
         return [self._chunk([{"index": self.offset + t.index, "text": t.text, "logprobs": lp, "finish_reason": None}])]
 
     def last(self, result: JobResult) -> list[dict[str, Any]]:
         if not self.chat:
-            return [self._chunk([{"index": self.offset + i, "text": "", "logprobs": None, "finish_reason": f} for i, _, f in _choices(result)])]
+            return [
+                self._chunk([{"index": self.offset + i, "text": "", "logprobs": None, "finish_reason": f} for i, _, f in _choices(result)])
+            ]
         out = []
         finishes = []
         for i, _, f in _choices(result):
             stream = self.tool_streams[i] if self.tool_streams else None
             if stream is not None:
                 out += [self._chunk([{"index": i, "delta": d, "logprobs": None, "finish_reason": None}]) for d in stream.flush()]
-            finishes.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": "tool_calls" if stream is not None and stream.calls else f})
+            finishes.append(
+                {"index": i, "delta": {}, "logprobs": None, "finish_reason": "tool_calls" if stream is not None and stream.calls else f}
+            )
         return [*out, self._chunk(finishes)]
 
     def usage(self, results: list[JobResult]) -> dict[str, Any]:

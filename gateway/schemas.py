@@ -243,7 +243,9 @@ class ChatCompletionRequest(_Common):
         if self.tool_choice not in (None, "auto", "none") and not names:
             raise ValueError("tool_choice needs tools")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not among the tools ({', '.join(names)})")
+            raise ValueError(
+                f"tool_choice names the function {self.tool_choice.function.name!r}, which is not among the tools ({', '.join(names)})"
+            )
         if self.forced_tools() and self.response_format is not None and self.response_format.type != "text":
             raise ValueError("a required or named tool_choice cannot be combined with a JSON response_format")
         if self.top_logprobs and not self.logprobs:

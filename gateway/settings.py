@@ -32,13 +32,19 @@ class GatewaySettings(WorkerSettings):
         description="Queue requests while no worker is live (a pool scaled to zero on the queue's length): they wait for a worker to start instead of getting 503, and /readyz does not ask for a worker.",
     )
     max_waiting_jobs: int = Field(64, ge=1, description="Waiting jobs beyond which requests get 503 with Retry-After.")
-    route_max_queue: int = Field(0, ge=0, description="Jobs already queued at a worker beyond which locality routing gives way to the shared queue.")
+    route_max_queue: int = Field(
+        0, ge=0, description="Jobs already queued at a worker beyond which locality routing gives way to the shared queue."
+    )
     redis_outage_s: float = Field(10.0, ge=0, description="How long a request waits for an unreachable Redis before 503.")
     request_timeout_s: float = Field(300.0, gt=0, description="Longest a request may wait for its answer (504 after).")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted (bytes).")
     max_file_bytes: int = Field(100 << 20, ge=1024, description="Largest file accepted by POST /v1/files (bytes).")
     batch_api: bool = Field(True, description="Serve the OpenAI Batch API (/v1/files, /v1/batches) and run its batches in this gateway.")
     batch_max_requests: int = Field(50_000, ge=1, description="Most requests in one Batch API input file.")
-    batch_lease_s: float = Field(15.0, gt=0, description="How long a batch stays with a gateway that stopped renewing it before another resumes it.")
-    batch_worker_grace_s: float = Field(60.0, gt=0, description="Seconds a running batch waits with no live worker before pausing (it is resumed later).")
+    batch_lease_s: float = Field(
+        15.0, gt=0, description="How long a batch stays with a gateway that stopped renewing it before another resumes it."
+    )
+    batch_worker_grace_s: float = Field(
+        60.0, gt=0, description="Seconds a running batch waits with no live worker before pausing (it is resumed later)."
+    )
     max_tokens_default: int = Field(256, ge=1, description="max_tokens when a chat request does not say.")

@@ -27,7 +27,9 @@ MAX_GRAMMAR_BYTES = 512 * 1024
 MAX_REPEAT = 1000
 """Largest minLength / maxLength / minItems / maxItems (each is unrolled into rules)."""
 
-ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly", "writeOnly"})
+ANNOTATIONS = frozenset(
+    {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly", "writeOnly"}
+)
 SUPPORTED = frozenset(
     {
         "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",

@@ -47,7 +47,10 @@ def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text(), "tool_calls": None}
         if m.tool_calls:
-            d["tool_calls"] = [{"type": "function", "id": c.id, "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments, i)}} for c in m.tool_calls]
+            d["tool_calls"] = [
+                {"type": "function", "id": c.id, "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments, i)}}
+                for c in m.tool_calls
+            ]
         if m.tool_call_id:
             d["tool_call_id"] = m.tool_call_id
         out.append(d)
@@ -58,7 +61,9 @@ def _arguments(raw: str, i: int) -> Any:
     try:
         return json.loads(raw) if raw.strip() else {}
     except json.JSONDecodeError:
-        raise InvalidRequest(f"messages.{i}.tool_calls: arguments must be a JSON object in a string, got {raw[:40]!r}", param="messages") from None
+        raise InvalidRequest(
+            f"messages.{i}.tool_calls: arguments must be a JSON object in a string, got {raw[:40]!r}", param="messages"
+        ) from None
 
 
 def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
@@ -82,7 +87,11 @@ def tool_grammar(req: ChatCompletionRequest, vocab: Any) -> str | None:
         try:
             check_schema(params, f"tools.{i}.function.parameters")
             resolved = conv.resolve_refs(params, f"tool-{i}")
-            wrapper = {"type": "object", "properties": {"name": {"const": f.name}, "arguments": resolved}, "required": ["name", "arguments"]}
+            wrapper = {
+                "type": "object",
+                "properties": {"name": {"const": f.name}, "arguments": resolved},
+                "required": ["name", "arguments"],
+            }
             calls.append(conv.visit(wrapper, f"call-{i}"))
         except SchemaError as e:
             raise InvalidRequest(str(e), param="tools") from None

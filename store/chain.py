@@ -162,7 +162,6 @@ def chain_keys(namespace: bytes, tokens: Sequence[int] | np.ndarray, chunk_size:
     return keys
 
 
-
 def tail_key(parent: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
     """The key of a partial last chunk hanging from ``parent`` (see the module docstring)."""
     return xxhash.xxh3_128_digest(_TAIL_MAGIC + parent + token_bytes(tokens))

@@ -18,7 +18,22 @@ from store.errors import StoreError
 from store.settings import StoreSettings
 from store.store import Store
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -93,12 +108,19 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
 def ls_cmd(ctx: click.Context, limit: int, as_json: bool) -> None:
     """Chunks in the index, most recently used first."""
     with open_store(_settings(ctx)) as store:
-        rows = []
+        rows: list[dict[str, Any]] = []
         for e in store.index.entries():
             if len(rows) >= limit:
                 break
             rows.append(
-                {"key": e.key.hex(), "namespace": e.namespace.hex(), "index": e.index, "size": e.size, "created": e.created, "accessed": e.accessed}
+                {
+                    "key": e.key.hex(),
+                    "namespace": e.namespace.hex(),
+                    "index": e.index,
+                    "size": e.size,
+                    "created": e.created,
+                    "accessed": e.accessed,
+                }
             )
 
     def render() -> None:
@@ -123,7 +145,10 @@ def verify_cmd(ctx: click.Context, repair: bool) -> None:
         click.echo(f"BAD      {name}: {why}")
     for name in r.missing:
         click.echo(f"MISSING  {name}")
-    click.echo(f"checked {r.checked} chunks: {len(r.bad)} bad, {len(r.missing)} missing" + (" (repaired)" if repair and (r.bad or r.missing) else ""))
+    click.echo(
+        f"checked {r.checked} chunks: {len(r.bad)} bad, {len(r.missing)} missing"
+        + (" (repaired)" if repair and (r.bad or r.missing) else "")
+    )
     if (r.bad or r.missing) and not repair:
         sys.exit(1)
 

@@ -1,10 +1,10 @@
 """Exceptions raised by the store. Callers catch `StoreError` for all of them::
 
-    StoreError
-    ├── StoreUnavailable   the backend or Redis cannot be reached (names the endpoint)
-    ├── BlobMissing        no blob under that name
-    ├── BlobCorrupt        bytes that are not a well-formed, self-consistent blob
-    └── BlobMismatch       a sound blob, but not the one expected at this chain position
+StoreError
+├── StoreUnavailable   the backend or Redis cannot be reached (names the endpoint)
+├── BlobMissing        no blob under that name
+├── BlobCorrupt        bytes that are not a well-formed, self-consistent blob
+└── BlobMismatch       a sound blob, but not the one expected at this chain position
 """
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -113,7 +114,9 @@ end
 # Insert a tail once, then cap its parent's candidates; returns the tails pushed out, or
 # false when the tail was already indexed. KEYS: chunk hash, lru, bytes, tails hash;
 # ARGV: ns, index, size, created, score, key, parent, tokens, cap, key prefix.
-_ADD_TAIL = _CAP + """
+_ADD_TAIL = (
+    _CAP
+    + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return false end
 redis.call('HSET', KEYS[1], 'ns', ARGV[1], 'index', ARGV[2], 'size', ARGV[3], 'created', ARGV[4], 'parent', ARGV[7])
 redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
@@ -121,16 +124,20 @@ redis.call('INCRBY', KEYS[3], ARGV[3])
 redis.call('HSET', KEYS[4], ARGV[6], ARGV[8])
 return cap_tails(KEYS[4], KEYS[2], KEYS[3], ARGV[6], tonumber(ARGV[9]), ARGV[10])
 """
+)
 
 # Make an indexed full chunk a candidate of its parent too, like a tail (see `add_branch`);
 # returns the tails pushed out. KEYS: chunk hash, lru, bytes, tails hash; ARGV: key, parent,
 # tokens, cap, key prefix.
-_ADD_BRANCH = _CAP + """
+_ADD_BRANCH = (
+    _CAP
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
 redis.call('HSET', KEYS[1], 'branch', ARGV[2])
 redis.call('HSET', KEYS[4], ARGV[1], ARGV[3])
 return cap_tails(KEYS[4], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[4]), ARGV[5])
 """
+)
 
 # How many leading chunks are indexed, and the tails of the deepest one (or of the
 # namespace, at depth 0). KEYS: lru; ARGV: key prefix, namespace hex, chain key hexes.
@@ -178,7 +185,7 @@ class Lookup:
 
 
 class RedisIndex:
-    def __init__(self, client: redis.Redis, prefix: str = "kvpool:v1:") -> None:
+    def __init__(self, client: redis.Redis[bytes], prefix: str = "kvpool:v1:") -> None:
         self.r = client
         self.prefix = prefix
         self.lru_key = prefix + "lru"
@@ -214,7 +221,8 @@ class RedisIndex:
         """Whether each key is indexed, in one round trip."""
         if not keys:
             return []
-        return [s is not None for s in self._call(lambda: self.r.zmscore(self.lru_key, [k.hex() for k in keys]))]
+        scores = self._call(lambda: self.r.zmscore(self.lru_key, [k.hex() for k in keys]))  # type: ignore[no-untyped-call]
+        return [s is not None for s in scores]
 
     def deepest(self, keys: Sequence[bytes]) -> int:
         """Length of the longest run of indexed chunks from the start of ``keys``, in one round trip."""
@@ -233,7 +241,7 @@ class RedisIndex:
         if not keys and tail is None:
             return
         t = time.time() if now is None else now
-        mapping = {k.hex(): lru_score(t, depth) for depth, k in enumerate(keys)}
+        mapping: dict[str | bytes, float] = {k.hex(): lru_score(t, depth) for depth, k in enumerate(keys)}
         if tail is not None:
             mapping[tail.hex()] = lru_score(t, TAIL_DEPTH)
 
@@ -294,12 +302,12 @@ class RedisIndex:
         """Every entry, hottest first."""
         start = 0
         while True:
-            members = self._call(lambda: self.r.zrevrange(self.lru_key, start, start + batch - 1, withscores=True))
+            members = self._call(partial(self.r.zrevrange, self.lru_key, start, start + batch - 1, withscores=True))
             if not members:
                 return
             keys = [bytes.fromhex(m.decode()) for m, _ in members]
 
-            def fetch() -> list[Any]:
+            def fetch(keys: list[bytes] = keys) -> list[Any]:
                 pipe = self.r.pipeline(transaction=False)
                 for k in keys:
                     pipe.hgetall(self._chunk(k))

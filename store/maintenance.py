@@ -146,4 +146,3 @@ class Maintenance:
             "oldest_access": min((e.accessed for e in entries), default=None),
             "newest_access": max((e.accessed for e in entries), default=None),
         }
-

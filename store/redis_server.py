@@ -28,7 +28,8 @@ def stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float = 10.0) 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 class RedisServer:

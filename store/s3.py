@@ -89,7 +89,8 @@ class S3Backend:
 
     def get(self, name: str) -> bytes:
         try:
-            return self.client.get_object(Bucket=self.bucket, Key=self.prefix + name)["Body"].read()
+            data: bytes = self.client.get_object(Bucket=self.bucket, Key=self.prefix + name)["Body"].read()
+            return data
         except ClientError as e:
             if _code(e) in _MISSING_CODES | {_NO_BUCKET}:
                 raise BlobMissing(name) from None

@@ -30,7 +30,10 @@ class StoreSettings(BaseSettings):
     s3_create_bucket: bool = Field(True, description="Create the bucket at start-up when it does not exist.")
     chunk_size: int = Field(DEFAULT_CHUNK_SIZE, ge=1, le=65536, description="Tokens per stored chunk.")
     tails_per_chunk: int = Field(
-        8, ge=1, le=256, description="Prompt tails kept per stored chunk (the most recently used); a tail lets any worker resume at the exact token."
+        8,
+        ge=1,
+        le=256,
+        description="Prompt tails kept per stored chunk (the most recently used); a tail lets any worker resume at the exact token.",
     )
     store_max_bytes: int | None = Field(None, ge=0, description="Automatic eviction budget for stored blobs (bytes).")
     io_threads: int = Field(8, ge=1, le=256, description="Parallel blob GETs and PUTs per process.")

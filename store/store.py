@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 import numpy as np
@@ -106,9 +107,7 @@ class Store(Maintenance):
         metrics.TOKENS.labels("miss").inc(max(0, len(tokens) - hit.tokens))
         return hit
 
-    def fetch_prefix(
-        self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes], start: int, hit: Hit
-    ) -> Fetched:
+    def fetch_prefix(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes], start: int, hit: Hit) -> Fetched:
         """`fetch` for chunks ``start..hit.depth-1``, with ``hit``'s tail fetched alongside and verified as strictly."""
         name = str(BlobName(ns.key, hit.depth, hit.tail.key, tail=not hit.tail.full)) if hit.tail else None
         pending = self._pool.submit(self._timed_get, name) if name else None
@@ -152,9 +151,7 @@ class Store(Maintenance):
             self._touch_quietly(keys[:depth], tail=tail.key)
         return payload
 
-    def fetch(
-        self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes], start: int, stop: int
-    ) -> list[memoryview]:
+    def fetch(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes], start: int, stop: int) -> list[memoryview]:
         """Verified payloads of chunks ``start..stop-1``, fetched in parallel.
 
         Returns the longest good run from ``start``: a chunk that is missing, corrupt,
@@ -211,9 +208,7 @@ class Store(Maintenance):
 
     # -- writing ---------------------------------------------------------------
 
-    def publish(
-        self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes], payloads: Mapping[int, bytes]
-    ) -> int:
+    def publish(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes], payloads: Mapping[int, bytes]) -> int:
         """Store the chunks ``payloads`` (chunk index -> payload) of one chain; returns how many were new.
 
         Idempotent and safe with concurrent publishers: a chunk already indexed is
@@ -240,7 +235,7 @@ class Store(Maintenance):
         written = [f.result() for f in [self._pool.submit(put, i) for i in todo]] if todo else []
         added = 0
         for i, size in written:
-            added += self._guard("redis", lambda: self.index.add(keys[i], ns.key, i, size))
+            added += self._guard("redis", partial(self.index.add, keys[i], ns.key, i, size))
         last = len(keys) - 1
         if last in todo:
             self._offer_branch(ns, keys, last, token_bytes(tokens[last * c : (last + 1) * c]))
@@ -277,9 +272,7 @@ class Store(Maintenance):
         metrics.REQUEST_SECONDS.labels("put").observe(time.perf_counter() - t0)
         metrics.BYTES_WRITTEN.inc(len(blob))
         raw = token_bytes(rest)
-        pushed = self._guard(
-            "redis", lambda: self.index.add_tail(key, ns.key, depth, parent, raw, len(blob), cap=self.tails_per_chunk)
-        )
+        pushed = self._guard("redis", lambda: self.index.add_tail(key, ns.key, depth, parent, raw, len(blob), cap=self.tails_per_chunk))
         for old in pushed or []:
             self._delete_quietly(str(BlobName(ns.key, depth, old, tail=True)))
         self._touch_quietly(keys, tail=key)

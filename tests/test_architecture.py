@@ -17,8 +17,16 @@ PACKAGES = ("gateway", "worker", "store")
 EDGE = {"gateway.cli", "gateway.up", "worker.cli"}
 """The command line: it may start anything."""
 ENGINE_SIDE = {
-    "worker.engine", "worker.prefix", "worker.llama_state", "worker.kvchunks", "worker.process",
-    "worker.publisher", "worker.selfcheck", "worker.spawn", "worker.leases", "worker.bench",
+    "worker.engine",
+    "worker.prefix",
+    "worker.llama_state",
+    "worker.kvchunks",
+    "worker.process",
+    "worker.publisher",
+    "worker.selfcheck",
+    "worker.spawn",
+    "worker.leases",
+    "worker.bench",
 }
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60

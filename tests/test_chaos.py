@@ -93,7 +93,12 @@ def _documents(count: int, words: int) -> list[str]:
 
 def _bodies() -> list[dict]:
     return [
-        {"model": "smollm2", "messages": [{"role": "system", "content": doc}, {"role": "user", "content": q}], "max_tokens": MAX_TOKENS, "temperature": 0}
+        {
+            "model": "smollm2",
+            "messages": [{"role": "system", "content": doc}, {"role": "user", "content": q}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+        }
         for doc in _documents(2, 120)
         for q in QUESTIONS
     ]
@@ -174,7 +179,13 @@ def _recovered_after(out: list[Outcome], t: float) -> float:
 
 def _corrupt_blobs(pool: Pool, count: int) -> int:
     s = s3_settings(pool.s3.endpoint_url, BUCKET, pool.redis.url)
-    s3 = boto3.client("s3", endpoint_url=s.s3_endpoint_url, aws_access_key_id=s.s3_access_key_id, aws_secret_access_key=s.s3_secret_access_key, region_name="us-east-1")
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=s.s3_endpoint_url,
+        aws_access_key_id=s.s3_access_key_id,
+        aws_secret_access_key=s.s3_secret_access_key,
+        region_name="us-east-1",
+    )
     try:
         listed = s3.list_objects_v2(Bucket=BUCKET).get("Contents", [])
     except s3.exceptions.NoSuchBucket:

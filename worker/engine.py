@@ -40,6 +40,8 @@ from store.chain import Namespace, prefix_namespace
 from store.fingerprint import fingerprint_file
 from store.store import Store
 from worker import metrics
+from worker.errors import JobRejected
+from worker.leases import EvalRate, Leases
 from worker.llama_state import (
     CACHE_TYPE_NAMES,
     KvLayout,
@@ -50,15 +52,13 @@ from worker.llama_state import (
     open_llama,
     read_seq_state,
 )
-from worker.errors import JobRejected
-from worker.protocol import ChoiceResult, JobResult, JobSpec, TokenEvent, Timings, Usage
 from worker.namespace import chain_layout
-from worker.leases import EvalRate, Leases
 from worker.prefix import Plan, PrefixFinder
+from worker.protocol import ChoiceResult, JobResult, JobSpec, Timings, TokenEvent, Usage
 from worker.publisher import Publisher
-from worker.settings import WorkerSettings
 from worker.sampling import Output, sample_choices
 from worker.scoring import score_prompt
+from worker.settings import WorkerSettings
 
 log = logging.getLogger("kvpool.worker")
 

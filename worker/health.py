@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
@@ -97,7 +97,7 @@ def self_check_outcome(cuttable: bool, enabled: bool, restore_enabled: bool, exa
 class _Handler(BaseHTTPRequestHandler):
     health: Health
 
-    def do_GET(self) -> None:  # noqa: N802 -- http.server's name
+    def do_GET(self) -> None:  # http.server's name
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
             self._send(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
@@ -119,7 +119,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 -- probes every few seconds are not news
+    def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds are not news
         pass
 
 

@@ -94,7 +94,9 @@ def run_job(spec: dict) -> dict:
         log.exception("job.failed", extra={"job": job.id, "retrying": retrying})
         raise
     stream.send(DoneEvent(result=result))
-    engine.settle(lambda: jobs_waiting(job.connection, [worker_queue(engine.name), engine.settings.queue]) or pool_busy(job.connection, engine.name))
+    engine.settle(
+        lambda: jobs_waiting(job.connection, [worker_queue(engine.name), engine.settings.queue]) or pool_busy(job.connection, engine.name)
+    )
     metrics.JOBS.labels(**labels, outcome=result.finish_reason).inc()
     log.info(
         "job.done",

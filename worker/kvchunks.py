@@ -41,15 +41,15 @@ import numpy as np
 
 from worker.kvstate import (
     _DATA_HEAD,
+    _LAYER_DESC,
+    _MAX_LAYERS,
+    _PAYLOAD_HEAD,
     _ROW_HEAD,
     _STATE_HEAD,
     _UINT_OF_SIZE,
     _VT_HEAD,
     CELL_EXT_BYTES,
     CELL_META_BYTES,
-    _LAYER_DESC,
-    _MAX_LAYERS,
-    _PAYLOAD_HEAD,
     PAYLOAD_MAGIC,
     PAYLOAD_VERSION,
     STATE_MAGIC,
@@ -57,8 +57,8 @@ from worker.kvstate import (
     LayerLayout,
     StateFormatError,
     StateLayout,
-    _Parsed,
     _parse_state,
+    _Parsed,
     _position_order,
     _transposable_el_size,
 )
@@ -218,9 +218,7 @@ def _records(payloads: Sequence[Buffer]) -> tuple[StateLayout, list[np.ndarray],
         expected = np.arange(n_cells, n_cells + n, dtype=np.int32)
         if not np.array_equal(pos, expected):
             bad = int(np.argmax(pos != expected))
-            raise StateFormatError(
-                f"positions are not 0..N-1 in order: token {n_cells + bad} (payload {i}) has position {pos[bad]}"
-            )
+            raise StateFormatError(f"positions are not 0..N-1 in order: token {n_cells + bad} (payload {i}) has position {pos[bad]}")
         if not np.all(records[:, 4:8].view("<u4") == 1):
             raise StateFormatError(f"a cell of payload {i} does not belong to exactly one sequence")
         parts.append(records)
@@ -243,13 +241,8 @@ def _payload_head(payload: Buffer) -> tuple[StateLayout, int]:
         raise StateFormatError(f"implausible payload header (cell_meta_bytes={meta_bytes}, n_layer={n_layer})")
     if len(payload) < _PAYLOAD_HEAD.size + n_layer * _LAYER_DESC.size:
         raise StateFormatError("payload is truncated")
-    layers = tuple(
-        LayerLayout(*_LAYER_DESC.unpack_from(payload, _PAYLOAD_HEAD.size + i * _LAYER_DESC.size))
-        for i in range(n_layer)
-    )
+    layers = tuple(LayerLayout(*_LAYER_DESC.unpack_from(payload, _PAYLOAD_HEAD.size + i * _LAYER_DESC.size)) for i in range(n_layer))
     layout = StateLayout(layers, meta_bytes)
     if len(payload) != layout.payload_bytes(n_cells):
-        raise StateFormatError(
-            f"payload is {len(payload)} bytes; {n_cells} cells of this layout need {layout.payload_bytes(n_cells)}"
-        )
+        raise StateFormatError(f"payload is {len(payload)} bytes; {n_cells} cells of this layout need {layout.payload_bytes(n_cells)}")
     return layout, n_cells

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 import numpy as np
+
 from worker.errors import StateFormatError
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
@@ -78,8 +79,6 @@ _MAX_LAYERS = 4096
 _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-
-
 def ggml_row_bytes(ggml_type: int, n_elements: int) -> int:
     """Bytes of one row of ``n_elements`` values of a KV-cache ggml type (``ggml_row_size``)."""
     try:
@@ -117,9 +116,7 @@ class StateLayout:
         cell_meta_bytes: int = CELL_META_BYTES,
     ) -> StateLayout:
         """The layout of a model whose layers all share one K and one V width."""
-        layer = LayerLayout(
-            type_k, ggml_row_bytes(type_k, n_embd_k_gqa), type_v, ggml_row_bytes(type_v, n_embd_v_gqa)
-        )
+        layer = LayerLayout(type_k, ggml_row_bytes(type_k, n_embd_k_gqa), type_v, ggml_row_bytes(type_v, n_embd_v_gqa))
         return cls((layer,) * n_layer, cell_meta_bytes)
 
     @property
@@ -146,9 +143,7 @@ class StateLayout:
 
     def _header(self, n_cells: int) -> bytes:
         head = _PAYLOAD_HEAD.pack(PAYLOAD_MAGIC, PAYLOAD_VERSION, self.cell_meta_bytes, n_cells, self.n_layer)
-        return head + b"".join(
-            _LAYER_DESC.pack(lay.k_type, lay.k_row_bytes, lay.v_type, lay.v_row_bytes) for lay in self.layers
-        )
+        return head + b"".join(_LAYER_DESC.pack(lay.k_type, lay.k_row_bytes, lay.v_type, lay.v_row_bytes) for lay in self.layers)
 
     def _field_offsets(self) -> list[tuple[int, int]]:
         """Offsets of each layer's K and V row inside a token record."""
@@ -202,9 +197,7 @@ def describe_state(state: Buffer) -> StateInfo:
     pos = p.positions
     pos_min, pos_max = int(pos.min()), int(pos.max())
     in_order = bool(np.array_equal(pos, np.arange(pos_min, pos_min + p.n_cells)))
-    contiguous = in_order or (
-        pos_max - pos_min + 1 == p.n_cells and bool(np.array_equal(np.sort(pos), np.arange(pos_min, pos_max + 1)))
-    )
+    contiguous = in_order or (pos_max - pos_min + 1 == p.n_cells and bool(np.array_equal(np.sort(pos), np.arange(pos_min, pos_max + 1))))
     return StateInfo(p.layout, p.n_cells, p.v_trans, p.seq_id, pos_min, pos_max, in_order, contiguous)
 
 
@@ -304,9 +297,7 @@ def _parse_sections(state: Buffer, seq_id: int, n: int, meta_bytes: int) -> _Par
     if at != size:
         raise StateFormatError(f"state has {size - at} unexpected trailing bytes (a second cache section?)")
     layers = tuple(LayerLayout(kt, kr, vt, vr) for (kt, kr), (vt, vr) in zip(k_descs, v_descs))
-    return _Parsed(
-        StateLayout(layers, meta_bytes), n, bool(v_trans), seq_id, meta, tuple(keys), tuple(values), positions
-    )
+    return _Parsed(StateLayout(layers, meta_bytes), n, bool(v_trans), seq_id, meta, tuple(keys), tuple(values), positions)
 
 
 def _position_order(positions: np.ndarray) -> np.ndarray | None:
@@ -319,5 +310,3 @@ def _position_order(positions: np.ndarray) -> np.ndarray | None:
     if not np.array_equal(positions[order], expected):
         raise StateFormatError(f"cell positions are not exactly 0..{n - 1} (gaps, duplicates or an offset)")
     return order
-
-

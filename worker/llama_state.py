@@ -18,6 +18,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from worker.errors import StateReadError, StateRestoreError
 from worker.kvstate import (
     GGML_BLOCKS,
     GGML_TYPE_BF16,
@@ -35,7 +36,6 @@ from worker.kvstate import (
     describe_state,
     state_cell_count,
 )
-from worker.errors import StateReadError, StateRestoreError
 
 CACHE_TYPES: dict[str, int] = {
     "f32": GGML_TYPE_F32,
@@ -58,8 +58,6 @@ def attn_rot_disabled() -> bool:
     """``LLAMA_ATTN_ROT_DISABLE`` read as llama.cpp does (``atoi``): unset, empty, 0 or text leave rotation on."""
     m = re.match(r"\s*([+-]?\d+)", os.environ.get(ATTN_ROT_ENV, ""))
     return bool(m and int(m.group(1)))
-
-
 
 
 def cache_type_id(cache_type: str | int) -> int:
@@ -219,12 +217,10 @@ def clear_seq(llm: llama_cpp.Llama, seq_id: int = 0) -> None:
         llama_cpp.llama_memory_seq_rm(mem, seq_id, -1, -1)
     if seq_id == 0:
         llm.n_tokens = 0
-        llm._requires_eval = True  # noqa: SLF001 - generate() must decode before it samples
+        llm._requires_eval = True  # generate() must decode before it samples
 
 
-def restore_seq_state(
-    llm: llama_cpp.Llama, state: Buffer, tokens: Sequence[int], seq_id: int = 0, *, check: bool = True
-) -> None:
+def restore_seq_state(llm: llama_cpp.Llama, state: Buffer, tokens: Sequence[int], seq_id: int = 0, *, check: bool = True) -> None:
     """Load ``state`` into sequence ``seq_id`` and record ``tokens`` as what it holds.
 
     The sequence is cleared first. llama.cpp returns the bytes it consumed and ignores

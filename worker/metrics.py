@@ -23,7 +23,9 @@ TOKENS_PER_SECOND = Histogram(
 )
 RESTORE_ENABLED = Gauge("kvpool_worker_restore_enabled", "1 when the start-up layout check passed and restores are on.", _L)
 EXACT = Gauge("kvpool_worker_exact_reuse", "1 when the self-check saw restored state give the cold run's very bits.", _L)
-COLD_FALLBACKS = Counter("kvpool_worker_cold_fallbacks_total", "Jobs evaluated cold that the store could have served, by reason.", _L + ["reason"])
+COLD_FALLBACKS = Counter(
+    "kvpool_worker_cold_fallbacks_total", "Jobs evaluated cold that the store could have served, by reason.", _L + ["reason"]
+)
 BUSY = Gauge("kvpool_worker_busy", "1 while the worker runs a job.", _L)
 LEASE_WAITS = Counter(
     "kvpool_worker_lease_waits_total",

@@ -23,13 +23,11 @@ from botocore.exceptions import BotoCoreError, ClientError
 from store.errors import StoreUnavailable
 from store.s3 import s3_client
 from store.settings import StoreSettings
+from worker.errors import ModelChecksumError
 from worker.packaged import sha256_of
 from worker.settings import WorkerSettings
-from worker.errors import ModelChecksumError
 
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-
 
 
 def fetch_model(url: str, settings: StoreSettings, sha256: str | None = None) -> Path:

@@ -19,6 +19,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
 from worker.errors import PackagedModelError
 
 
@@ -50,8 +51,6 @@ SMOLLM2 = PackagedModel(
 )
 PACKAGED: dict[str, PackagedModel] = {"smollm2": SMOLLM2}
 DEFAULT_MODEL = "smollm2"
-
-
 
 
 def cache_dir() -> Path:

@@ -44,11 +44,11 @@ from store.store import Store
 from worker import jobs, metrics
 from worker.advert import Serving, advertise, adverts, withdraw
 from worker.engine import Engine
+from worker.errors import WorkerNameTaken
 from worker.health import Health, self_check_outcome, serve
 from worker.model_fetch import resolve_model
 from worker.protocol import WORKER_QUEUE_PREFIX, worker_queue
 from worker.settings import WorkerSettings
-from worker.errors import WorkerNameTaken
 
 log = logging.getLogger("kvpool.worker")
 T = TypeVar("T")
@@ -56,8 +56,6 @@ T = TypeVar("T")
 
 STALE_S = 30.0
 """A registration whose last heartbeat is older than this belongs to a worker that is gone."""
-
-
 
 
 class KvpoolWorker(SimpleWorker):
@@ -90,7 +88,9 @@ class KvpoolWorker(SimpleWorker):
             return
         if not _registration_is_stale(info, self.hostname or "", STALE_S):
             host, pid = info.get(b"hostname", b"?").decode(), info.get(b"pid", b"?").decode()
-            raise WorkerNameTaken(f"a live worker named {self.name!r} is registered (host {host}, pid {pid}); set another KVPOOL_WORKER_NAME")
+            raise WorkerNameTaken(
+                f"a live worker named {self.name!r} is registered (host {host}, pid {pid}); set another KVPOOL_WORKER_NAME"
+            )
         with self.connection.pipeline() as pipe:
             pipe.delete(self.key)
             worker_registration.unregister(self, pipe)
@@ -107,7 +107,12 @@ class KvpoolWorker(SimpleWorker):
             metrics.BUSY.labels(**self.engine.labels).set(0)
             log.info(
                 "worker.ready",
-                extra={"worker": self.name, "model": self.engine.labels["model"], "layout": self.engine.labels["layout"], "restore": self.engine.restore_enabled},
+                extra={
+                    "worker": self.name,
+                    "model": self.engine.labels["model"],
+                    "layout": self.engine.labels["layout"],
+                    "restore": self.engine.restore_enabled,
+                },
             )
 
     def heartbeat(self, timeout: int | None = None, pipeline=None):  # type: ignore[no-untyped-def]
@@ -233,7 +238,7 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
     try:
         while True:
             worker.engine = engine
-            _wait_for_redis(lambda: worker.work(burst=burst, with_scheduler=False, logging_level=_log_level()))
+            _wait_for_redis(lambda worker=worker: worker.work(burst=burst, with_scheduler=False, logging_level=_log_level()))
             health.registered(False)
             if burst or worker.stopping:
                 break

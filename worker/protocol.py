@@ -156,7 +156,7 @@ class JobResult(BaseModel):
     store_status: Literal["ok", "unavailable", "disabled"] = "ok"
     logprobs: list[float] | None = None
     extra_choices: list[ChoiceResult] = Field(default_factory=list, description="Choices 1..n-1 when n > 1.")
-    prompt_logprobs: list["TokenEvent"] | None = Field(None, description="Per prompt token (the first has no logprob), when asked for.")
+    prompt_logprobs: list[TokenEvent] | None = Field(None, description="Per prompt token (the first has no logprob), when asked for.")
 
 
 class StartEvent(BaseModel):
@@ -184,8 +184,6 @@ class ErrorEvent(BaseModel):
     type: Literal["error"] = "error"
     error: str
     retrying: bool = False
-
-
 
 
 JobResult.model_rebuild()

@@ -42,7 +42,9 @@ class Output:
     t_first: float | None = None
 
 
-def sample_choices(llm: llama_cpp.Llama, spec: JobSpec, emit: Emit, after_first: Callable[[], None], n_ctx: int, rewind: Rewind) -> list[Output]:
+def sample_choices(
+    llm: llama_cpp.Llama, spec: JobSpec, emit: Emit, after_first: Callable[[], None], n_ctx: int, rewind: Rewind
+) -> list[Output]:
     """The job's ``n`` choices, one after the other; a cancelled choice ends the job."""
     outs: list[Output] = []
     grammar = llama_cpp.LlamaGrammar.from_string(spec.sampling.grammar, verbose=False) if spec.sampling.grammar else None

@@ -59,5 +59,7 @@ def check_restore(llm: llama_cpp.Llama, kv: KvLayout, seed: int = 0) -> SelfChec
     same_argmax = int(cold.argmax()) == int(warm.argmax())
     ok = same_argmax and diff <= ATOL and bool(np.isfinite(warm).all())
     exact = ok and bool(np.array_equal(cold, warm))
-    detail = f"max |logit diff| {diff:.3g} (tolerance {ATOL}), argmax {'same' if same_argmax else 'differs'}, {'exact' if exact else 'inexact'}"
+    detail = (
+        f"max |logit diff| {diff:.3g} (tolerance {ATOL}), argmax {'same' if same_argmax else 'differs'}, {'exact' if exact else 'inexact'}"
+    )
     return SelfCheck(ok, exact, detail)

@@ -18,12 +18,15 @@ class WorkerSettings(StoreSettings):
     n_batch: int = Field(512, ge=3, description="Prompt evaluation batch size.")
     n_threads: int | None = Field(None, ge=1, description="CPU threads per worker for generation (default: llama.cpp's choice).")
     n_threads_batch: int | None = Field(
-        None, ge=1, description="CPU threads per worker for prompt evaluation (default: KVPOOL_N_THREADS; llama.cpp's own default is every core)."
+        None,
+        ge=1,
+        description="CPU threads per worker for prompt evaluation (default: KVPOOL_N_THREADS; llama.cpp's own default is every core).",
     )
 
     def threads_batch(self) -> int | None:
         """Prompt threads: as set, else the generation threads, so that N workers never run N x cores threads."""
         return self.n_threads_batch or self.n_threads
+
     n_gpu_layers: int = Field(0, description="Layers offloaded to a GPU, when llama.cpp was built with one.")
     flash_attn: bool = Field(False, description="Use flash attention (required for a quantized V cache).")
     type_k: str = Field("f16", description="K cache type: f16, f32, q8_0, q4_0, ...")
@@ -39,9 +42,12 @@ class WorkerSettings(StoreSettings):
         True, description="After each answer, evaluate the completion as prompt so the next chat turn is served from cache, exactly."
     )
     coalesce: bool = Field(
-        True, description="Lease new prefixes while evaluating them, and wait for a prefix another worker is evaluating instead of evaluating it too."
+        True,
+        description="Lease new prefixes while evaluating them, and wait for a prefix another worker is evaluating instead of evaluating it too.",
     )
-    lease_s: float = Field(5.0, gt=0, le=300, description="How long a prefix lease lasts unless renewed (a dead holder frees its prefixes within this).")
+    lease_s: float = Field(
+        5.0, gt=0, le=300, description="How long a prefix lease lasts unless renewed (a dead holder frees its prefixes within this)."
+    )
     publish_queue: int = Field(8, ge=1, description="Pending publish tasks before new ones are dropped.")
     self_check: bool = Field(True, description="Check at start-up that cut, rebuild and restore reproduce the cold logits.")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics on this port (0: any free port).")

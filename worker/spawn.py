@@ -27,7 +27,7 @@ class WorkerProcess:
         return self.spawn().wait_ready(conn, timeout_s)
 
     def spawn(self) -> WorkerProcess:
-        log = open(self.log_path, "ab")  # noqa: SIM115 -- handed to the child process
+        log = open(self.log_path, "ab")  # handed to the child process
         kvpool = os.path.join(os.path.dirname(sys.executable), "kvpool")
         self.proc = subprocess.Popen([kvpool, "worker"], env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return self

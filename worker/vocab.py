@@ -274,9 +274,7 @@ def build_vocab(n_vocab: int) -> Vocab:
     pieces = chars + merged + fillers
     tokens = specials + byte_tokens + pieces
     types = (
-        [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
-        + [TokenType.BYTE] * len(byte_tokens)
-        + [TokenType.NORMAL] * len(pieces)
+        [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * len(byte_tokens) + [TokenType.NORMAL] * len(pieces)
     )
     scores = [0.0] * (len(specials) + len(byte_tokens)) + [-float(i) for i in range(len(pieces))]
     return Vocab(tuple(tokens), tuple(scores), tuple(int(t) for t in types))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -34,8 +35,6 @@ from gateway.tenants import DEFAULT_TENANT, Tenant, Tenants
 from worker.advert import adverts
 
 log = logging.getLogger("kvpool.batch")
-
-
 
 
 class RateColumn(ProgressColumn):
@@ -76,7 +75,9 @@ def resolve_tenant(settings: GatewaySettings, tenant_id: str | None) -> Tenant:
     if known and tenant_id not in known:
         raise click.ClickException(f"unknown tenant {tenant_id!r}; KVPOOL_API_KEYS names: {', '.join(sorted(known))}")
     if not known and tenant_id != DEFAULT_TENANT:
-        log.warning("batch.tenant_unconfigured", extra={"tenant": tenant_id, "reason": "no KVPOOL_API_KEYS: the gateway serves only 'default'"})
+        log.warning(
+            "batch.tenant_unconfigured", extra={"tenant": tenant_id, "reason": "no KVPOOL_API_KEYS: the gateway serves only 'default'"}
+        )
     return Tenant(tenant_id, tenants.salt(tenant_id))
 
 
@@ -116,17 +117,24 @@ def run_batch(
     tally = Tally(lines=len(entries))
     todo = [e for e in entries if result_id_of(e) not in out.done]
     tally.already_done = len(entries) - len(todo)
-    log.info("batch.start", extra={"input": str(input_path), "output": str(output_path), "lines": len(entries), "already_done": tally.already_done})
+    log.info(
+        "batch.start",
+        extra={"input": str(input_path), "output": str(output_path), "lines": len(entries), "already_done": tally.already_done},
+    )
     status = 0
     if todo:
         conn = redis.Redis.from_url(
-            settings.redis_url, socket_connect_timeout=settings.connect_timeout_s, socket_timeout=settings.read_timeout_s + POLL_BLOCK_MS / 1000
+            settings.redis_url,
+            socket_connect_timeout=settings.connect_timeout_s,
+            socket_timeout=settings.read_timeout_s + POLL_BLOCK_MS / 1000,
         )
         if any(isinstance(e, Parsed) for e in todo):
             log.info("batch.workers", extra={"workers": _require_workers(conn), "window": window})
         previous = signal.signal(signal.SIGTERM, _on_signal)
         try:
-            status = _run(settings, conn, todo, out, tally, tenant=tenant, window=window, worker_grace_s=worker_grace_s, show_progress=show_progress)
+            status = _run(
+                settings, conn, todo, out, tally, tenant=tenant, window=window, worker_grace_s=worker_grace_s, show_progress=show_progress
+            )
         finally:
             signal.signal(signal.SIGTERM, previous)
             out.close()
@@ -175,19 +183,14 @@ def _run(
             bar.update(task, completed=tally.finished(), hit=hit_text(tally))
 
         try:
-            requests: list[Request] = []
-            for entry in todo:
-                item = prepare(entry, preparer, tenant) if isinstance(entry, Parsed) else entry
-                if isinstance(item, Request):
-                    requests.append(item)
-                    continue
-                console.print(Text.assemble(("rejected ", "yellow"), item.report()), highlight=False)
-                out.write(item.record())
-                tally.rejected += 1
-                changed()
+            requests = _requests(todo, preparer, tenant, out, tally, console, changed)
             groups = plan(requests, settings.chunk_size)
-            log.info("batch.planned", extra={"requests": len(requests), "groups": len(groups), "ideal_tokens": sum(r.ideal for r in requests)})
-            runner = Runner(conn, settings, preparer.model_name, groups, out, tally, window=window, worker_grace_s=worker_grace_s, on_change=changed)
+            log.info(
+                "batch.planned", extra={"requests": len(requests), "groups": len(groups), "ideal_tokens": sum(r.ideal for r in requests)}
+            )
+            runner = Runner(
+                conn, settings, preparer.model_name, groups, out, tally, window=window, worker_grace_s=worker_grace_s, on_change=changed
+            )
             runner.run()
         except (KeyboardInterrupt, _Interrupted) as e:
             if runner is not None:
@@ -201,25 +204,66 @@ def _run(
             return 1
         except redis.RedisError as e:
             console.print(
-                Text.assemble(("error: ", "red"), f"the job queue (Redis) is unreachable: {type(e).__name__}: {e}; rerun the same command to resume"),
+                Text.assemble(
+                    ("error: ", "red"), f"the job queue (Redis) is unreachable: {type(e).__name__}: {e}; rerun the same command to resume"
+                ),
                 highlight=False,
             )
             return 1
     return 0
 
 
+def _requests(
+    todo: list[Parsed | Rejected],
+    preparer: Preparer,
+    tenant: Tenant,
+    out: ResultFile,
+    tally: Tally,
+    console: Console,
+    changed: Callable[[], None],
+) -> list[Request]:
+    """The lines that become jobs; the others are answered with their error result at once."""
+    requests: list[Request] = []
+    for entry in todo:
+        item = prepare(entry, preparer, tenant) if isinstance(entry, Parsed) else entry
+        if isinstance(item, Request):
+            requests.append(item)
+            continue
+        console.print(Text.assemble(("rejected ", "yellow"), item.report()), highlight=False)
+        out.write(item.record())
+        tally.rejected += 1
+        changed()
+    return requests
+
+
 @click.command("batch")
 @click.argument("input_path", metavar="REQUESTS.jsonl", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option(
-    "-o", "--output", "output_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Results (JSONL), appended as requests finish."
+    "-o",
+    "--output",
+    "output_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Results (JSONL), appended as requests finish.",
 )
 @click.option("--tenant", default=None, help="Tenant whose cache the batch uses (required when KVPOOL_API_KEYS is set).")
 @click.option(
-    "--max-in-flight", type=click.IntRange(min=1), default=None, help="Jobs submitted and not yet answered (default: half of KVPOOL_MAX_WAITING_JOBS)."
+    "--max-in-flight",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Jobs submitted and not yet answered (default: half of KVPOOL_MAX_WAITING_JOBS).",
 )
-@click.option("--worker-grace", type=click.FloatRange(min=0), default=30.0, show_default=True, help="Seconds without any live worker before giving up.")
+@click.option(
+    "--worker-grace",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="Seconds without any live worker before giving up.",
+)
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar on stderr.")
-def batch_command(input_path: Path, output_path: Path, tenant: str | None, max_in_flight: int | None, worker_grace: float, progress: bool) -> None:
+def batch_command(
+    input_path: Path, output_path: Path, tenant: str | None, max_in_flight: int | None, worker_grace: float, progress: bool
+) -> None:
     """Answer a file of OpenAI batch requests over the worker pool, sharing each common prefix once.
 
     Results go to OUTPUT as they finish. Interrupted? Rerun the same command: the lines

@@ -60,7 +60,9 @@ class Rejected:
         if self.api_error is not None:
             body = self.api_error.body()
             body["error"]["message"] = self.report()
-            return result_record(self.result_id, self.custom_id, response={"status_code": self.api_error.status, "request_id": None, "body": body})
+            return result_record(
+                self.result_id, self.custom_id, response={"status_code": self.api_error.status, "request_id": None, "body": body}
+            )
         return result_record(self.result_id, self.custom_id, error={"code": self.code, "message": self.report()})
 
 
@@ -120,7 +122,13 @@ def parse_all(lines: Iterable[Line]) -> list[Parsed | Rejected]:
         if isinstance(p, Parsed):
             first = seen.setdefault(p.custom_id, line.number)
             if first != line.number:
-                p = Rejected(line.number, line_result_id(line), None, "duplicate_custom_id", f"duplicate custom_id {p.custom_id!r} (first on line {first})")
+                p = Rejected(
+                    line.number,
+                    line_result_id(line),
+                    None,
+                    "duplicate_custom_id",
+                    f"duplicate custom_id {p.custom_id!r} (first on line {first})",
+                )
         out.append(p)
     return out
 
@@ -137,5 +145,7 @@ def validation_error(e: ValidationError) -> InvalidRequest:
     return InvalidRequest(f"body.{where}: {msg}" if where else f"body: {msg}", param=loc[0] if loc else None)
 
 
-def result_record(result_id: str, custom_id: str | None, *, response: dict[str, Any] | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+def result_record(
+    result_id: str, custom_id: str | None, *, response: dict[str, Any] | None = None, error: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return {"id": result_id, "custom_id": custom_id, "response": response, "error": error}

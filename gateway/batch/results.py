@@ -47,7 +47,7 @@ class ResultFile:
     def write(self, record: dict[str, Any]) -> None:
         if self._f is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.path, "ab")  # noqa: SIM115 -- held open for the whole run, closed by close()
+            self._f = open(self.path, "ab")  # held open for the whole run, closed by close()
         self._f.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
         self._f.flush()
         os.fsync(self._f.fileno())

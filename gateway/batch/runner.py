@@ -223,7 +223,11 @@ class Runner:
 
     def _failed(self, flight: Flight, error: APIError) -> None:
         r = flight.request
-        self.out.write(result_record(r.result_id, r.custom_id, response={"status_code": error.status, "request_id": flight.job_id, "body": error.body()}))
+        self.out.write(
+            result_record(
+                r.result_id, r.custom_id, response={"status_code": error.status, "request_id": flight.job_id, "body": error.body()}
+            )
+        )
         self.tally.failed += 1
         del self.flights[flight.job_id]
         log.warning("batch.request_failed", extra={"job": flight.job_id, "line": r.line, "status": error.status, "reason": error.message})
@@ -259,7 +263,9 @@ class Runner:
             self._no_worker_since = now
             log.warning("batch.no_worker", extra={"grace_s": self.worker_grace_s})
         elif now - self._no_worker_since > self.worker_grace_s:
-            raise BatchAborted(f"no live worker for {self.worker_grace_s:.0f} s; start workers with `kvpool worker` and rerun the same command to resume")
+            raise BatchAborted(
+                f"no live worker for {self.worker_grace_s:.0f} s; start workers with `kvpool worker` and rerun the same command to resume"
+            )
         if self.flights and now - self._progress_at > self.settings.request_timeout_s:
             raise BatchAborted(
                 f"no progress for {self.settings.request_timeout_s:.0f} s with {len(self.flights)} jobs in flight; "

@@ -326,9 +326,9 @@ def dockerignored(path: str, patterns: list[str]) -> bool:
         hit = False
         for i in range(1, len(parts) + 1):  # a pattern matching a parent folder excludes what it holds
             prefix = "/".join(parts[:i])
-            if fnmatch.fnmatchcase(prefix, pat) or (pat.startswith("**/") and any(
-                fnmatch.fnmatchcase("/".join(parts[j:i]), pat[3:]) for j in range(i)
-            )):
+            if fnmatch.fnmatchcase(prefix, pat) or (
+                pat.startswith("**/") and any(fnmatch.fnmatchcase("/".join(parts[j:i]), pat[3:]) for j in range(i))
+            ):
                 hit = True
                 break
         if hit:
@@ -368,8 +368,24 @@ def metric_samples() -> dict[str, str]:
 
 
 # Words of PromQL that are not metric names (functions are recognised by the "(" after them).
-PROMQL_KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring",
-                   "group_left", "group_right", "inf", "nan", "start", "end", "atan2"}
+PROMQL_KEYWORDS = {
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "inf",
+    "nan",
+    "start",
+    "end",
+    "atan2",
+}
 
 _PROMQL_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
 _PROMQL_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
@@ -414,7 +430,9 @@ def promtool() -> str:
 
     path = shutil.which("promtool")
     if path is None:
-        pytest.fail("promtool is not installed: the Debian package `prometheus` provides it (apt-get install prometheus; deploy/setup.sh installs it)")
+        pytest.fail(
+            "promtool is not installed: the Debian package `prometheus` provides it (apt-get install prometheus; deploy/setup.sh installs it)"
+        )
     return path
 
 

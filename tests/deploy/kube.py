@@ -38,7 +38,9 @@ WORKLOADS = {"Deployment", "StatefulSet", "Job", "DaemonSet"}
 def kubectl() -> str:
     path = shutil.which("kubectl")
     if path is None:
-        pytest.fail("kubectl is not installed: the Kubernetes tests build deploy/kubernetes with `kubectl kustomize` (apt-get install kubectl)")
+        pytest.fail(
+            "kubectl is not installed: the Kubernetes tests build deploy/kubernetes with `kubectl kustomize` (apt-get install kubectl)"
+        )
     return path
 
 

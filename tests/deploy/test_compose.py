@@ -354,8 +354,8 @@ def test_model_job_leaves_s3_models_to_the_workers(shell: str, services: dict[st
 @pytest.mark.parametrize("store_url", ["default", "s3://pool", "s3://pool/", "s3://pool/team/cache", "s3://pool/team/cache/"])
 def test_createbucket_job(shell: str, store_url: str, services: dict[str, Any], tmp_path: Path) -> None:
     """Runs the createbucket script with a stand-in `mc`: it creates the store's bucket and expires exactly the store's quarantine/ keys."""
-    from store.s3 import S3Backend
     from store.maintenance import QUARANTINE_PREFIX
+    from store.s3 import S3Backend
 
     job = services["createbucket"]
     env = df.environment(job)
@@ -363,14 +363,24 @@ def test_createbucket_job(shell: str, store_url: str, services: dict[str, Any], 
         env["KVPOOL_STORE_URL"] = store_url
     log = tmp_path / "mc.log"
     _fake_command(tmp_path, "mc", f'echo "$*" >>{log}\nif [ "$1" = ilm ]; then cat >{tmp_path}/lifecycle.json; fi\n')
-    r = subprocess.run([shell, "-c", _script(job)], env={**env, "PATH": f"{tmp_path}:/usr/bin:/bin"}, check=False, capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [shell, "-c", _script(job)],
+        env={**env, "PATH": f"{tmp_path}:/usr/bin:/bin"},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 0, r.stderr
 
     bucket, _, prefix = env["KVPOOL_STORE_URL"].removeprefix("s3://").partition("/")
     client = SimpleNamespace(meta=SimpleNamespace(endpoint_url=env["KVPOOL_S3_ENDPOINT_URL"]))
     backend = S3Backend(client, bucket, prefix)  # the store's own key layout
     calls = log.read_text().splitlines()
-    assert calls[0] == f"alias set kvpool {env['KVPOOL_S3_ENDPOINT_URL']} {env['KVPOOL_S3_ACCESS_KEY_ID']} {env['KVPOOL_S3_SECRET_ACCESS_KEY']}"
+    assert (
+        calls[0]
+        == f"alias set kvpool {env['KVPOOL_S3_ENDPOINT_URL']} {env['KVPOOL_S3_ACCESS_KEY_ID']} {env['KVPOOL_S3_SECRET_ACCESS_KEY']}"
+    )
     assert calls[1] == f"mb --ignore-existing kvpool/{bucket}"
     assert calls[2] == f"ilm import kvpool/{bucket}"
     (rule,) = json.loads((tmp_path / "lifecycle.json").read_text())["Rules"]
@@ -384,10 +394,24 @@ def test_createbucket_job_survives_a_failed_lifecycle_rule(shell: str, services:
     """An S3 server without lifecycle support does not stop the stack; a failed bucket creation does."""
     job = services["createbucket"]
     _fake_command(tmp_path, "mc", 'if [ "$1" = ilm ]; then exit 1; fi\n')
-    r = subprocess.run([shell, "-c", _script(job)], env={**df.environment(job), "PATH": f"{tmp_path}:/usr/bin:/bin"}, check=False, capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [shell, "-c", _script(job)],
+        env={**df.environment(job), "PATH": f"{tmp_path}:/usr/bin:/bin"},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 0 and "warning" in r.stderr
     _fake_command(tmp_path, "mc", 'if [ "$1" = mb ]; then exit 1; fi\n')
-    r = subprocess.run([shell, "-c", _script(job)], env={**df.environment(job), "PATH": f"{tmp_path}:/usr/bin:/bin"}, check=False, capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [shell, "-c", _script(job)],
+        env={**df.environment(job), "PATH": f"{tmp_path}:/usr/bin:/bin"},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode != 0
 
 
@@ -404,12 +428,18 @@ def test_prometheus_gets_deploy_prometheus_yml(services: dict[str, Any]) -> None
 
 def test_grafana_gets_provisioning_and_dashboards(services: dict[str, Any]) -> None:
     grafana = services["grafana"]
-    mounts = {df.parse_volume(v)[1]: (df.COMPOSE_FILE.parent / df.parse_volume(v)[0]).resolve() for v in grafana["volumes"] if df.parse_volume(v)[0].startswith(".")}
+    mounts = {
+        df.parse_volume(v)[1]: (df.COMPOSE_FILE.parent / df.parse_volume(v)[0]).resolve()
+        for v in grafana["volumes"]
+        if df.parse_volume(v)[0].startswith(".")
+    }
     assert mounts.get("/etc/grafana/provisioning") == df.GRAFANA / "provisioning"
     providers = yaml.safe_load((df.GRAFANA / "provisioning" / "dashboards" / "kvpool.yml").read_text())["providers"]
     for provider in providers:
         path = provider["options"]["path"]
-        assert mounts.get(path) == df.DASHBOARDS, f"the dashboard provider reads {path}, which compose does not mount from deploy/grafana/dashboards"
+        assert mounts.get(path) == df.DASHBOARDS, (
+            f"the dashboard provider reads {path}, which compose does not mount from deploy/grafana/dashboards"
+        )
     home = df.environment(grafana).get("GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH")
     if home:
         folder, _, name = home.rpartition("/")

@@ -62,7 +62,15 @@ def test_dockerignore_matching() -> None:
 def test_dockerfile_parser() -> None:
     text = 'ARG X=1\n# c\nFROM a AS b\nRUN one \\\n    # inside\n    two\nCOPY --from=b /w /w\nENTRYPOINT ["k"]\nFROM c\nUSER 1\n'
     ins = df.parse_dockerfile(text)
-    assert [(i.cmd, i.stage) for i in ins] == [("ARG", -1), ("FROM", 0), ("RUN", 0), ("COPY", 0), ("ENTRYPOINT", 0), ("FROM", 1), ("USER", 1)]
+    assert [(i.cmd, i.stage) for i in ins] == [
+        ("ARG", -1),
+        ("FROM", 0),
+        ("RUN", 0),
+        ("COPY", 0),
+        ("ENTRYPOINT", 0),
+        ("FROM", 1),
+        ("USER", 1),
+    ]
     assert ins[2].args == "one two" and ins[2].line == 4
     assert df.copy_sources(ins[3]) == (["/w"], {"from": "b"})
     assert df.exec_form(ins[4].args) == ["k"]

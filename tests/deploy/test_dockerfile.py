@@ -99,7 +99,9 @@ def test_runtime_has_the_shared_libraries_of_llama_cpp(instructions: list[df.Ins
 
 def test_llama_cpp_python_installed_before_the_source_is_copied(instructions: list[df.Instruction]) -> None:
     """Editing kvpool's code must not rebuild llama.cpp: its layers come before any COPY of the source."""
-    build = [n for n, i in enumerate(instructions) if i.cmd == "RUN" and re.search(r"pip (wheel|install)\b.*llama[-_]cpp[-_]python", i.args)]
+    build = [
+        n for n, i in enumerate(instructions) if i.cmd == "RUN" and re.search(r"pip (wheel|install)\b.*llama[-_]cpp[-_]python", i.args)
+    ]
     copies = [n for n, i in enumerate(instructions) if copies_source(i)]
     assert build, "no RUN builds or installs llama-cpp-python"
     assert copies, "no COPY of the kvpool source"
@@ -160,7 +162,7 @@ def test_entrypoint_is_kvpool(instructions: list[df.Instruction]) -> None:
 
     stage = final_stage(instructions)
     (entrypoint,) = [df.exec_form(i.args) for i in stage if i.cmd == "ENTRYPOINT"]
-    assert entrypoint == ["kvpool"], "ENTRYPOINT must be the exec form [\"kvpool\"]"
+    assert entrypoint == ["kvpool"], 'ENTRYPOINT must be the exec form ["kvpool"]'
     assert PYPROJECT["project"]["scripts"]["kvpool"] == "gateway.cli:main"
     (cmd,) = [df.exec_form(i.args) for i in stage if i.cmd == "CMD"]
     assert cmd and main.get_command(click.Context(main), cmd[0]) is not None, f"CMD {cmd}: not a kvpool command"

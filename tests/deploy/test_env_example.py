@@ -36,7 +36,9 @@ def test_lists_every_compose_variable(entries: dict[str, df.EnvEntry]) -> None:
     defaults = df.compose_defaults()
     for name in {r.name for r in df.references(df.compose_raw())}:
         assert name in entries, f"docker-compose.yml reads ${{{name}}}, which .env.example does not list; {REGENERATE}"
-        assert entries[name].value == defaults[name], f"{name}: .env.example shows {entries[name].value!r}, docker-compose.yml defaults to {defaults[name]!r}"
+        assert entries[name].value == defaults[name], (
+            f"{name}: .env.example shows {entries[name].value!r}, docker-compose.yml defaults to {defaults[name]!r}"
+        )
     extra = {n for n in entries if not n.startswith(df.ENV_PREFIX)} - set(defaults)
     assert not extra, f".env.example lists variables docker-compose.yml does not read: {sorted(extra)}"
 

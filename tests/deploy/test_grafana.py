@@ -97,8 +97,13 @@ def test_required_panels(dashboard: dict[str, Any]) -> None:
 def test_every_metric_exists(dashboard: dict[str, Any]) -> None:
     """Every metric a query selects is exported by store/worker/gateway metrics (or is Prometheus' own `up`)."""
     known = df.metric_samples()
-    assert {"kvpool_gateway_queue_depth", "kvpool_store_chunks_total", "kvpool_worker_info",
-            "kvpool_worker_restore_bytes_total", "kvpool_gateway_time_to_first_token_seconds_bucket"} <= set(known)
+    assert {
+        "kvpool_gateway_queue_depth",
+        "kvpool_store_chunks_total",
+        "kvpool_worker_info",
+        "kvpool_worker_restore_bytes_total",
+        "kvpool_gateway_time_to_first_token_seconds_bucket",
+    } <= set(known)
     for title, expr in exprs(dashboard):
         names = df.promql_metric_names(expr)
         assert names, f"{title}: found no metric in {expr}"
@@ -122,7 +127,9 @@ def test_panels_use_the_provisioned_datasource(dashboard: dict[str, Any], dataso
 
 def test_promql_parses(dashboard: dict[str, Any], tmp_path: Path) -> None:
     """promtool parses every query (as a recording rule), Grafana's $__ variables replaced by a duration."""
-    rules = [{"record": f"kvpool:dashboard:{n}", "expr": df.grafana_variables_to_promql(expr)} for n, (_, expr) in enumerate(exprs(dashboard))]
+    rules = [
+        {"record": f"kvpool:dashboard:{n}", "expr": df.grafana_variables_to_promql(expr)} for n, (_, expr) in enumerate(exprs(dashboard))
+    ]
     path = tmp_path / "dashboard.rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     r = subprocess.run([promtool(), "check", "rules", str(path)], check=False, capture_output=True, text=True, timeout=30)
@@ -140,7 +147,10 @@ def test_promql_parse_check_has_teeth(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("expr", "names"),
     [
-        ('sum(rate(kvpool_store_chunks_total{result="hit"}[$__rate_interval])) / sum(rate(kvpool_store_chunks_total[5m]))', {"kvpool_store_chunks_total"}),
+        (
+            'sum(rate(kvpool_store_chunks_total{result="hit"}[$__rate_interval])) / sum(rate(kvpool_store_chunks_total[5m]))',
+            {"kvpool_store_chunks_total"},
+        ),
         ("histogram_quantile(0.95, sum by (le) (rate(a_bucket[1m])))", {"a_bucket"}),
         ("sum(rate(x_total[1m])) by (model, layout) > bool 1e-9 offset 5m", {"x_total"}),
         ('count(up{job="worker"} == 1) or vector(0)', {"up"}),

@@ -43,7 +43,11 @@ def test_every_kubernetes_object_matches_the_openapi_schema(name: str, version: 
 
 @pytest.mark.parametrize("name", BUILDS)
 def test_every_custom_resource_matches_its_crd(name: str) -> None:
-    custom = [o for o in kube.build(name) if not o["apiVersion"].startswith(("v1", "apps/", "batch/", "policy/", "autoscaling/", "networking.k8s.io/"))]
+    custom = [
+        o
+        for o in kube.build(name)
+        if not o["apiVersion"].startswith(("v1", "apps/", "batch/", "policy/", "autoscaling/", "networking.k8s.io/"))
+    ]
     assert {o["kind"] for o in custom} <= {"ScaledObject", "TriggerAuthentication", "ServiceMonitor", "PodMonitor"}
     errors = [f"{o['kind']}/{o['metadata']['name']}: {e}" for o in custom for e in kube.crd_errors(o)]
     assert not errors, "\n".join(errors)
@@ -202,7 +206,9 @@ def test_the_model_fetch_the_init_container_runs_exists() -> None:
 
 def test_the_image_carries_no_weights() -> None:
     assert df.dockerignored("models/model.gguf", df.dockerignore_patterns())
-    copied = [src for ins in df.parse_dockerfile(df.DOCKERFILE.read_text()) if ins.cmd in ("COPY", "ADD") for src in df.copy_sources(ins)[0]]
+    copied = [
+        src for ins in df.parse_dockerfile(df.DOCKERFILE.read_text()) if ins.cmd in ("COPY", "ADD") for src in df.copy_sources(ins)[0]
+    ]
     assert not [s for s in copied if s.endswith(".gguf") or "models" in s]
 
 
@@ -280,7 +286,11 @@ def test_prod_spreads_workers_across_nodes(name: str) -> None:
     pods = worker["spec"]["template"]["metadata"]["labels"]
     spec = kube.pod_spec(worker)
     terms = spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
-    assert any(t["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname" and kube.labels_match(t["podAffinityTerm"]["labelSelector"]["matchLabels"], pods) for t in terms)
+    assert any(
+        t["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+        and kube.labels_match(t["podAffinityTerm"]["labelSelector"]["matchLabels"], pods)
+        for t in terms
+    )
     assert any(t["topologyKey"] == "kubernetes.io/hostname" for t in spec["topologySpreadConstraints"])
 
 
@@ -312,7 +322,9 @@ def test_prod_network_policies_open_only_the_gateway_and_only_to_redis_and_s3_fo
         return {port["port"] for p in policies if _selects(p, pod) for rule in _allows(p, "egress") for port in rule.get("ports", [])}
 
     config = kube.kvpool_config(objects)
-    assert [r for r in ingress(gateway) if "from" not in r] and {p["port"] for r in ingress(gateway) for p in r["ports"]} == {int(config["KVPOOL_PORT"])}
+    assert [r for r in ingress(gateway) if "from" not in r] and {p["port"] for r in ingress(gateway) for p in r["ports"]} == {
+        int(config["KVPOOL_PORT"])
+    }
     assert all("from" in r for r in ingress(worker)), "workers are reached by Prometheus only"
     assert not ingress(stranger)
     redis_and_s3 = {6379, 443}

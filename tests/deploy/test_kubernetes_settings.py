@@ -56,7 +56,12 @@ def test_gateway_and_workers_read_one_configmap_and_the_same_secrets(overlay) ->
                     assert e["name"] in CREDENTIALS | FROM_THE_POD, e["name"]
     assert len(sources) == 1 and not set(kube.kvpool_config(objects)) & (CREDENTIALS | FROM_THE_POD)
     secret_refs = [
-        {e["name"]: e["valueFrom"]["secretKeyRef"] for c in kube.containers(w, init=False) for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
+        {
+            e["name"]: e["valueFrom"]["secretKeyRef"]
+            for c in kube.containers(w, init=False)
+            for e in c.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})
+        }
         for w in kvpool_pods
     ]
     shared = set(secret_refs[0]) & set(secret_refs[1])
@@ -211,11 +216,19 @@ def test_monitors_scrape_the_gateway_and_the_workers_under_the_dashboards_job_na
     pmon = kube.find(objects, "PodMonitor", "kvpool-worker")
     assert kube.labels_match(pmon["spec"]["selector"]["matchLabels"], pods)
     for endpoint in pmon["spec"]["podMetricsEndpoints"]:
-        assert kube.named_port(kube.container(worker, "worker"), endpoint["port"]) == int(kube.kvpool_config(objects)["KVPOOL_METRICS_PORT"])
+        assert kube.named_port(kube.container(worker, "worker"), endpoint["port"]) == int(
+            kube.kvpool_config(objects)["KVPOOL_METRICS_PORT"]
+        )
 
     jobs = {service["metadata"]["labels"][smon["spec"]["jobLabel"]], pods[pmon["spec"]["jobLabel"]]}
     assert jobs == {"gateway", "worker"}
-    wanted = {v for d in df.dashboards().values() for p in df.panels(d) for t in p.get("targets", []) for v in df.promql_label_values(t.get("expr", ""), "job")}
+    wanted = {
+        v
+        for d in df.dashboards().values()
+        for p in df.panels(d)
+        for t in p.get("targets", [])
+        for v in df.promql_label_values(t.get("expr", ""), "job")
+    }
     assert wanted and wanted <= jobs
 
 
@@ -227,5 +240,7 @@ def test_the_dashboard_configmap_is_the_one_json_file(overlay) -> None:
     assert dashboard["data"] == {"kvpool.json": (df.DASHBOARDS / "kvpool.json").read_text()}
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     source = yaml.safe_load(kube.find(objects, "ConfigMap", "kvpool-grafana-datasource")["data"]["kvpool-datasource.yaml"])
-    uids = {t["datasource"]["uid"] for d in df.dashboards().values() for p in df.panels(d) for t in p.get("targets", []) if t.get("datasource")}
+    uids = {
+        t["datasource"]["uid"] for d in df.dashboards().values() for p in df.panels(d) for t in p.get("targets", []) if t.get("datasource")
+    }
     assert uids == {ds["uid"] for ds in source["datasources"]}

@@ -61,8 +61,7 @@ def test_every_worker_is_scraped(jobs: dict[str, dict[str, Any]]) -> None:
 def test_static_targets_are_compose_services(jobs: dict[str, dict[str, Any]]) -> None:
     services = df.compose()["services"]
     container_ports = {
-        name: {df.parse_port(p)[2] for p in s.get("ports", [])} | {str(p) for p in s.get("expose", [])}
-        for name, s in services.items()
+        name: {df.parse_port(p)[2] for p in s.get("ports", [])} | {str(p) for p in s.get("expose", [])} for name, s in services.items()
     }
     for name, job in jobs.items():
         for sc in job.get("static_configs", []):

@@ -61,7 +61,9 @@ def batch_cmd(inp: Path, out: Path, *args: str) -> list[str]:
 
 
 def run_batch(env: dict[str, str], inp: Path, out: Path, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(batch_cmd(inp, out, *args), env={**os.environ, **env}, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False)
+    return subprocess.run(
+        batch_cmd(inp, out, *args), env={**os.environ, **env}, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
 
 
 def summary_reuse(stdout: str) -> tuple[int, int, float]:
@@ -124,7 +126,9 @@ def test_200_requests_over_shared_prefixes_reuse_what_whole_chunks_allow(start_w
     assert lo <= ideal <= hi, (lo, ideal, hi)
     cached = sum(x["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for x in results)
     workers = Counter(x["response"]["body"]["kvpool"]["worker"] for x in results)
-    print(f"\nbatch of 200: {wall:.1f} s wall; reuse {reused} of ideal {ideal} ({pct}%); cached in total {cached}; per worker {dict(workers)}")
+    print(
+        f"\nbatch of 200: {wall:.1f} s wall; reuse {reused} of ideal {ideal} ({pct}%); cached in total {cached}; per worker {dict(workers)}"
+    )
     print(r.stdout)
     assert pct >= 80.0 and reused >= 0.8 * ideal
     assert cached >= 0.8 * ideal
@@ -176,7 +180,12 @@ def test_bad_lines_are_reported_by_number_and_the_rest_succeed(start_worker, poo
         {"custom_id": "e", "method": "POST", "url": "/v1/completions", "body": {**ok, "temperature": 5}},
         {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": ok},
         {"custom_id": "f", "method": "POST", "url": "/v1/completions", "body": {**ok, "model": "no-such-model"}},
-        {"custom_id": "g", "method": "POST", "url": "/v1/chat/completions", "body": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}},
+        {
+            "custom_id": "g",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        },
         "",
         {"custom_id": "h", "method": "POST", "url": "/v1/completions", "body": {**ok, "prompt": ok["prompt"] + " more"}},
         {"custom_id": "i", "url": "/v1/completions", "body": ok},
@@ -225,7 +234,9 @@ def test_losing_every_worker_ends_the_batch_and_a_rerun_finishes_it(start_worker
     requests = batch_requests(60, seed=2)
     inp, out = write_jsonl(tmp_path / "requests.jsonl", requests), tmp_path / "results.jsonl"
     with open(tmp_path / "first.log", "wb") as log:
-        proc = subprocess.Popen(batch_cmd(inp, out, "--worker-grace", "1"), env={**os.environ, **pool_env}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            batch_cmd(inp, out, "--worker-grace", "1"), env={**os.environ, **pool_env}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + 120
         while not out.exists() or out.read_bytes().count(b"\n") < 10:
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
@@ -250,7 +261,7 @@ def test_a_failed_leader_hands_its_group_to_the_next_member(start_worker, pool_e
     """The worker rejects prompts longer than its context: every leader fails, so its deferred siblings
     (which RQ would never release) are withdrawn and the next member leads, until every line is answered."""
     start_worker("w1", KVPOOL_N_CTX="64")
-    requests = batch_requests(12, seed=3)[:: 2]
+    requests = batch_requests(12, seed=3)[::2]
     inp, out = write_jsonl(tmp_path / "requests.jsonl", requests), tmp_path / "results.jsonl"
     r = run_batch(pool_env, inp, out, timeout_s=120)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -28,10 +28,17 @@ KEYS = json.dumps({"key-a": "team-a", "key-b": "team-b"})
 def _lines(n: int, *, bad: int = 0) -> bytes:
     out = []
     for i in range(n):
-        body = {"model": MODEL, "messages": [{"role": "user", "content": prompt_text(500 + i % 2, 40) + f" Q{i}"}], "max_tokens": 3, "temperature": 0}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": prompt_text(500 + i % 2, 40) + f" Q{i}"}],
+            "max_tokens": 3,
+            "temperature": 0,
+        }
         out.append({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
     for i in range(bad):
-        out.append({"custom_id": f"bad-{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"model": MODEL, "messages": "not a list"}})
+        out.append(
+            {"custom_id": f"bad-{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"model": MODEL, "messages": "not a list"}}
+        )
     return "".join(json.dumps(x) + "\n" for x in out).encode()
 
 
@@ -56,7 +63,9 @@ def test_a_batch_runs_to_completed_with_an_output_and_an_error_file(start_worker
     results = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
     assert sorted(r["custom_id"] for r in results) == [f"req-{i}" for i in range(6)]
     assert all(r["response"]["status_code"] == 200 and r["response"]["body"]["choices"][0]["message"]["content"] for r in results)
-    assert any(r["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for r in results), "prefix-aware: shared prefixes hit"
+    assert any(r["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for r in results), (
+        "prefix-aware: shared prefixes hit"
+    )
     errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
     assert sorted(r["custom_id"] for r in errors) == ["bad-0", "bad-1"] and all(r["response"]["status_code"] == 400 for r in errors)
     listed = client.batches.list(limit=5)
@@ -69,7 +78,12 @@ def test_one_tenant_never_sees_another_tenants_files_or_batches(start_worker, st
     a, b = openai_client(gw, "key-a"), openai_client(gw, "key-b")
     f = a.files.create(file=("a.jsonl", io.BytesIO(_lines(1))), purpose="batch")
     batch = a.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-    for call in (lambda: b.files.retrieve(f.id), lambda: b.files.content(f.id), lambda: b.batches.retrieve(batch.id), lambda: b.batches.cancel(batch.id)):
+    for call in (
+        lambda: b.files.retrieve(f.id),
+        lambda: b.files.content(f.id),
+        lambda: b.batches.retrieve(batch.id),
+        lambda: b.batches.cancel(batch.id),
+    ):
         with pytest.raises(openai.NotFoundError):
             call()
     with pytest.raises(openai.NotFoundError):
@@ -80,8 +94,13 @@ def test_one_tenant_never_sees_another_tenants_files_or_batches(start_worker, st
 
 @pytest.mark.parametrize(
     ("data", "purpose", "needle"),
-    [(b"{\"custom_id\": 1}\nnot json\n", "batch", "line 2 is not JSON"), (b"[1, 2]\n", "batch", "not an object"),
-     (b"\xff\xfe", "batch", "not UTF-8"), (b"\n\n", "batch", "no request"), (b"{}\n", "fine-tune", "purpose")],
+    [
+        (b'{"custom_id": 1}\nnot json\n', "batch", "line 2 is not JSON"),
+        (b"[1, 2]\n", "batch", "not an object"),
+        (b"\xff\xfe", "batch", "not UTF-8"),
+        (b"\n\n", "batch", "no request"),
+        (b"{}\n", "fine-tune", "purpose"),
+    ],
 )
 def test_files_that_are_not_batch_jsonl_are_refused_by_name(start_worker, start_gateway, data: bytes, purpose: str, needle: str) -> None:
     start_worker("w1")

@@ -23,7 +23,7 @@ def reference_logprobs(model: Path, tokens: list[int]) -> list[float]:
     llm.eval(tokens)
     scores = np.asarray(llm.scores[: len(tokens)], dtype=np.float64)
     m = scores.max(axis=1, keepdims=True)
-    logz = (m[:, 0] + np.log(np.exp(scores - m).sum(axis=1)))
+    logz = m[:, 0] + np.log(np.exp(scores - m).sum(axis=1))
     return [float(scores[i - 1, tokens[i]] - logz[i - 1]) for i in range(1, len(tokens))]
 
 
@@ -92,7 +92,9 @@ def test_several_prompts_in_one_request_give_their_choices_in_order(smol_pool, s
 
     parts: dict[int, str] = {}
     usage = None
-    for chunk in client.completions.create(model=SMOL, prompt=texts, n=2, max_tokens=8, temperature=0.8, seed=3, stream=True, stream_options={"include_usage": True}):
+    for chunk in client.completions.create(
+        model=SMOL, prompt=texts, n=2, max_tokens=8, temperature=0.8, seed=3, stream=True, stream_options={"include_usage": True}
+    ):
         for c in chunk.choices:
             parts[c.index] = parts.get(c.index, "") + c.text
         usage = chunk.usage or usage

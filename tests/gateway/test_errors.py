@@ -63,7 +63,12 @@ BAD = [
     ("lone surrogate in the prompt", b'{"model": "%s", "prompt": "hi \\ud800 there"}' % MODEL.encode(), 400, ["prompt", "surrogate"]),
     ("stream is text", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, ["stream"]),
     ("max_tokens is a numeric string", {"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, ["max_tokens"]),
-    ("include_usage is a number", {"model": MODEL, "prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}}, 400, ["include_usage"]),
+    (
+        "include_usage is a number",
+        {"model": MODEL, "prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}},
+        400,
+        ["include_usage"],
+    ),
 ]
 
 
@@ -83,7 +88,11 @@ def test_bad_chat_requests(one_worker) -> None:
     assert_openai_error(httpx.post(url, json={"model": MODEL, "messages": []}), 400, "messages")
     assert_openai_error(httpx.post(url, json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}), 400, "role")
     assert_openai_error(httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": 3}]}), 400)
-    assert_openai_error(httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}), 400, "tools")
+    assert_openai_error(
+        httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}),
+        400,
+        "tools",
+    )
     surrogate = b'{"model": "%s", "messages": [{"role": "user", "content": "a \\udfff b"}]}' % MODEL.encode()
     r = httpx.post(url, content=surrogate, headers={"content-type": "application/json"})
     assert_openai_error(r, 400, "messages.0.content", "surrogate")
@@ -273,7 +282,7 @@ def test_killing_the_only_worker_mid_stream_ends_the_stream_with_an_error(start_
     stream = client.completions.create(model=MODEL, prompt="go", stream=True, temperature=0, max_tokens=8000, logit_bias={"2": -100})
     got = 0
     with pytest.raises(openai.APIError) as err:
-        for chunk in stream:
+        for _chunk in stream:
             got += 1
             if got == 5:
                 w.kill()

@@ -55,7 +55,9 @@ def test_streaming_completion_matches_the_whole_one(pool) -> None:
     whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
     pieces = []
     usage = None
-    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}):
+    for chunk in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}
+    ):
         if chunk.choices:
             pieces.append(chunk.choices[0].text)
         if chunk.usage is not None:
@@ -92,7 +94,9 @@ def test_logprobs(pool) -> None:
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == 5 and all(x <= 0 for x in lp.token_logprobs)
     assert all(len(top) == 3 for top in lp.top_logprobs)
-    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    c = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
     assert len(c.choices[0].logprobs.content) == 4
     assert all(len(t.top_logprobs) == 2 for t in c.choices[0].logprobs.content)
 

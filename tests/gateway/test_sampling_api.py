@@ -87,7 +87,9 @@ def test_tokenize_and_detokenize_use_the_pools_exact_tokenizer(smol_pool, smollm
     # Counting against the tokenizer gives the prompt tokens the API reports.
     client = openai_client(smol_pool)
     r = client.completions.create(model=SMOL, prompt="Count me, please.", max_tokens=1)
-    counted = httpx.post(url + "/tokenize", json={"content": "Count me, please.", "add_special": True, "parse_special": False}).json()["tokens"]
+    counted = httpx.post(url + "/tokenize", json={"content": "Count me, please.", "add_special": True, "parse_special": False}).json()[
+        "tokens"
+    ]
     assert r.usage.prompt_tokens == len(counted)
 
 

@@ -21,7 +21,9 @@ def test_a_request_waits_in_the_shared_queue_until_the_first_worker_starts(start
 
     answers: list[httpx.Response] = []
     request = threading.Thread(
-        target=lambda: answers.append(httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "wake up", "max_tokens": 4}, timeout=120))
+        target=lambda: answers.append(
+            httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "wake up", "max_tokens": 4}, timeout=120)
+        )
     )
     request.start()
     shared = Queue(WorkerSettings().queue, connection=redis.Redis.from_url(redis_url))

@@ -53,12 +53,21 @@ def test_json_schema_output_is_valid_json_matching_the_schema(smol_pool) -> None
 def test_json_mode_gives_a_json_object(smol_pool) -> None:
     client = openai_client(smol_pool)
     r = client.chat.completions.create(
-        model=SMOL, messages=ask("Give the name and age of a person."), response_format={"type": "json_object"}, temperature=0, max_tokens=120
+        model=SMOL,
+        messages=ask("Give the name and age of a person."),
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=120,
     )
     doc = json.loads(r.choices[0].message.content)
     assert isinstance(doc, dict) and doc
     stream = client.chat.completions.create(
-        model=SMOL, messages=ask("Give the name and age of a person."), response_format={"type": "json_object"}, temperature=0, max_tokens=120, stream=True
+        model=SMOL,
+        messages=ask("Give the name and age of a person."),
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=120,
+        stream=True,
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == r.choices[0].message.content
 
@@ -68,8 +77,12 @@ def test_the_grammar_constrains_sampling_only_so_the_prefix_is_still_reused(smol
     client = openai_client(smol_pool)
     handbook = "Facts about the harbor town. " + prompt_text(31, 400)
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
-    first = client.chat.completions.create(model=SMOL, messages=ask("Describe Lisbon.", handbook), response_format=fmt, temperature=0, max_tokens=200)
-    again = client.chat.completions.create(model=SMOL, messages=ask("Describe Lisbon.", handbook), response_format=fmt, temperature=0, max_tokens=200)
+    first = client.chat.completions.create(
+        model=SMOL, messages=ask("Describe Lisbon.", handbook), response_format=fmt, temperature=0, max_tokens=200
+    )
+    again = client.chat.completions.create(
+        model=SMOL, messages=ask("Describe Lisbon.", handbook), response_format=fmt, temperature=0, max_tokens=200
+    )
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 2
     assert again.choices[0].message.content == first.choices[0].message.content
@@ -91,7 +104,11 @@ UNSUPPORTED = [
 
 @pytest.mark.parametrize("schema,where", UNSUPPORTED, ids=[w for _, w in UNSUPPORTED])
 def test_a_schema_the_grammar_cannot_enforce_is_400_naming_the_part(smol_pool, schema, where: str) -> None:
-    body = {"model": SMOL, "messages": ask("hi"), "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    body = {
+        "model": SMOL,
+        "messages": ask("hi"),
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
     err = assert_openai_error(httpx.post(smol_pool.url + "/v1/chat/completions", json=body), 400, where)
     assert err["param"] == "response_format"
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import threading
 import time
 
 import httpx
 import llama_cpp
+import pytest
 
 from tests.conftest import cold_greedy, prompt_text
 from tests.gateway.conftest import MODEL, openai_client

@@ -25,7 +25,11 @@ WEATHER = {
 }
 TIME = {
     "type": "function",
-    "function": {"name": "get_time", "description": "The local time in a city.", "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"]}},
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"]},
+    },
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -40,7 +44,9 @@ def args_of(call, tool: dict) -> dict:
 
 def test_a_required_tool_choice_gives_a_valid_call(smol_tools_pool) -> None:
     client = openai_client(smol_tools_pool)
-    r = client.chat.completions.create(model=SMOL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=80)
+    r = client.chat.completions.create(
+        model=SMOL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=80
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert len(choice.message.tool_calls) == 1
@@ -69,7 +75,9 @@ def test_a_named_tool_choice_calls_that_function_and_the_answer_goes_back(smol_t
 
 def test_a_streamed_tool_call_comes_as_openai_deltas(smol_tools_pool) -> None:
     client = openai_client(smol_tools_pool)
-    kwargs = dict(model=SMOL, messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=80)
+    kwargs = dict(
+        model=SMOL, messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=80
+    )
     whole = client.chat.completions.create(**kwargs)
     deltas, finish = [], None
     for chunk in client.chat.completions.create(**kwargs, stream=True):
@@ -97,12 +105,19 @@ def test_a_template_without_tools_is_400_naming_the_model(smol_pool) -> None:
     r = httpx.post(smol_pool.url + "/v1/chat/completions", json={"model": SMOL, "messages": ASK, "tools": [WEATHER]})
     err = assert_openai_error(r, 400, SMOL, "KVPOOL_CHAT_TEMPLATE_FILE")
     assert err["code"] == "tools_unsupported"
-    plain = httpx.post(smol_pool.url + "/v1/chat/completions", json={"model": SMOL, "messages": ASK, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 2})
+    plain = httpx.post(
+        smol_pool.url + "/v1/chat/completions",
+        json={"model": SMOL, "messages": ASK, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 2},
+    )
     assert plain.status_code == 200
 
 
 BAD = [
-    ("unknown function in tool_choice", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "launch"}}}, ["launch", "get_weather"]),
+    (
+        "unknown function in tool_choice",
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "launch"}}},
+        ["launch", "get_weather"],
+    ),
     ("tool_choice without tools", {"tool_choice": "required"}, ["tool_choice"]),
     ("tool_choice of a wrong kind", {"tools": [WEATHER], "tool_choice": "always"}, ["tool_choice"]),
     ("tools is not a list", {"tools": {"type": "function"}}, ["tools"]),
@@ -110,11 +125,47 @@ BAD = [
     ("a bad function name", {"tools": [{"type": "function", "function": {"name": "get weather"}}]}, ["name"]),
     ("duplicate function names", {"tools": [WEATHER, WEATHER]}, ["unique"]),
     ("parallel_tool_calls is text", {"tools": [WEATHER], "parallel_tool_calls": "yes"}, ["parallel_tool_calls"]),
-    ("parameters the grammar cannot enforce", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}}}], "tool_choice": "required"}, ["tools.0.function.parameters.properties.n.minimum"]),
-    ("a forced call with a JSON response_format", {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, ["response_format"]),
+    (
+        "parameters the grammar cannot enforce",
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}},
+                }
+            ],
+            "tool_choice": "required",
+        },
+        ["tools.0.function.parameters.properties.n.minimum"],
+    ),
+    (
+        "a forced call with a JSON response_format",
+        {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+        ["response_format"],
+    ),
     ("a tool message without tool_call_id", {"messages": [{"role": "tool", "content": "x"}]}, ["tool_call_id"]),
-    ("tool_calls on a user message", {"messages": [{"role": "user", "content": "x", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, ["assistant"]),
-    ("arguments that are not JSON", {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{city"}}]}, {"role": "tool", "tool_call_id": "c", "content": "x"}]}, ["arguments"]),
+    (
+        "tool_calls on a user message",
+        {
+            "messages": [
+                {"role": "user", "content": "x", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+            ]
+        },
+        ["assistant"],
+    ),
+    (
+        "arguments that are not JSON",
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{city"}}],
+                },
+                {"role": "tool", "tool_call_id": "c", "content": "x"},
+            ]
+        },
+        ["arguments"],
+    ),
     ("too many tools", {"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, ["tools"]),
 ]
 

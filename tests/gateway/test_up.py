@@ -69,7 +69,13 @@ def test_up_serves_requests_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
 
 def test_up_demo_sends_real_requests_and_reuses_the_prefix(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    out = subprocess.run([KVPOOL, "up", "--demo", "--port", "0", "--workers", "1"], env={**os.environ, "KVPOOL_STATE_DIR": str(state)}, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [KVPOOL, "up", "--demo", "--port", "0", "--workers", "1"],
+        env={**os.environ, "KVPOOL_STATE_DIR": str(state)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     prompts = [int(m) for m in re.findall(r"(\d+) prompt tokens", out.stdout)]
     cached = [int(m) for m in re.findall(r"(\d+) cached", out.stdout)]
@@ -80,7 +86,13 @@ def test_up_demo_sends_real_requests_and_reuses_the_prefix(tmp_path: Path) -> No
 
 def test_up_takes_the_model_from_the_bucket(tmp_path: Path, tiny_model: Path, s3_server, redis_url: str) -> None:
     settings = s3_settings(s3_server.endpoint_url, "kvpool-models", redis_url)
-    s3 = boto3.client("s3", endpoint_url=s3_server.endpoint_url, aws_access_key_id=settings.s3_access_key_id, aws_secret_access_key=settings.s3_secret_access_key, region_name="us-east-1")
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=s3_server.endpoint_url,
+        aws_access_key_id=settings.s3_access_key_id,
+        aws_secret_access_key=settings.s3_secret_access_key,
+        region_name="us-east-1",
+    )
     s3.create_bucket(Bucket="kvpool-models")
     s3.upload_file(str(tiny_model), "kvpool-models", "models/tiny.gguf")
     state = tmp_path / "state"
@@ -106,7 +118,13 @@ def test_up_takes_the_model_from_the_bucket(tmp_path: Path, tiny_model: Path, s3
 
 
 def test_a_missing_model_is_a_clear_error(tmp_path: Path) -> None:
-    out = subprocess.run([KVPOOL, "up", "--model", str(tmp_path / "nope.gguf"), "--port", "0"], env={**os.environ, "KVPOOL_STATE_DIR": str(tmp_path)}, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [KVPOOL, "up", "--model", str(tmp_path / "nope.gguf"), "--port", "0"],
+        env={**os.environ, "KVPOOL_STATE_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and "model not found" in out.stderr and "Traceback" not in out.stderr
     assert processes_of(tmp_path) == []
 
@@ -122,7 +140,10 @@ def test_ctrl_c_in_a_terminal_then_up_again_answers_at_once(tmp_path: Path) -> N
     port = free_port()
     argv = [KVPOOL, "up", "--workers", "2", "--threads", "1", "--port", str(port)]
     env = {**os.environ, "KVPOOL_STATE_DIR": str(state)}
-    question = {"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}]}
+    question = {
+        "model": "SmolLM2-135M-Instruct.Q4_1",
+        "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
+    }
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
     first = Terminal(argv, env)
     try:

@@ -18,7 +18,11 @@ def blob(index: int = 1, payload: bytes = PAYLOAD) -> bytes:
 
 def expected(index: int = 1) -> dict:
     return dict(
-        namespace=NS.key, index=index, parent=KEYS[index - 1] if index else NS.key, key=KEYS[index], tokens=TOKENS[index * 4 : index * 4 + 4]
+        namespace=NS.key,
+        index=index,
+        parent=KEYS[index - 1] if index else NS.key,
+        key=KEYS[index],
+        tokens=TOKENS[index * 4 : index * 4 + 4],
     )
 
 

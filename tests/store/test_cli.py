@@ -22,9 +22,7 @@ NS = Namespace("fp", KVLayout(), chunk_size=4)
 
 def kvpool(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     bindir = Path(sys.executable).parent
-    return subprocess.run(
-        [str(bindir / "kvpool"), *args], capture_output=True, text=True, timeout=60, env={**os.environ, **env}
-    )
+    return subprocess.run([str(bindir / "kvpool"), *args], capture_output=True, text=True, timeout=60, env={**os.environ, **env})
 
 
 @pytest.fixture

@@ -31,7 +31,8 @@ def own_s3() -> S3Server:
 def open_s3_store(server: S3Server, redis_url: str) -> Store:
     settings = s3_settings(server.endpoint_url, "kvpool-failures", redis_url)
     return Store(
-        S3Backend.from_settings(settings, bucket="kvpool-failures", prefix="p"), RedisIndex.from_url(redis_url, connect_timeout_s=1, read_timeout_s=2)
+        S3Backend.from_settings(settings, bucket="kvpool-failures", prefix="p"),
+        RedisIndex.from_url(redis_url, connect_timeout_s=1, read_timeout_s=2),
     )
 
 

@@ -42,7 +42,9 @@ def test_quick_run_writes_every_output_and_field(quick_results: tuple[Path, str]
     doc = json.loads((out / "results.json").read_text())
     assert {"version", "command", "started_at", "duration_s", "machine", "store", "store_endpoint", "runs"} <= doc.keys()
     assert doc["command"].startswith("kvpool bench --quick")
-    assert {"cpu", "usable_cpus", "memory_gb", "platform", "llama_cpp_python", "loadavg_at_start", "loadavg_at_end"} <= doc["machine"].keys()
+    assert {"cpu", "usable_cpus", "memory_gb", "platform", "llama_cpp_python", "loadavg_at_start", "loadavg_at_end"} <= doc[
+        "machine"
+    ].keys()
     (run,) = doc["runs"]
     assert run["model"]["label"] == "tiny"
     for key in ("samples", "summary", "floor", "miss_cost", "throughput", "bytes_per_token", "hashing", "raw_get", "targets"):

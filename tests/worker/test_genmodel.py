@@ -101,7 +101,12 @@ def test_f32_variant_stores_f32_matrices_and_loads(tmp_path: Path) -> None:
 def test_bench_is_tinyllama_sized() -> None:
     spec = SIZES["bench"]
     assert (spec.n_embd, spec.n_layer, spec.n_head, spec.n_head_kv, spec.n_ff, spec.n_vocab) == (
-        2048, 22, 32, 4, 5632, 32000,
+        2048,
+        22,
+        32,
+        4,
+        5632,
+        32000,
     )
     assert spec.dtype == "f16"
     assert 1.0e9 < spec.n_params < 1.2e9
@@ -203,14 +208,10 @@ def test_chat_template_renders_chatml(llm: llama_cpp.Llama) -> None:
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi there"},
     ]
-    rendered = jinja2.Environment().from_string(template).render(
-        messages=messages, add_generation_prompt=True, bos_token="<s>", eos_token="</s>"
+    rendered = (
+        jinja2.Environment().from_string(template).render(messages=messages, add_generation_prompt=True, bos_token="<s>", eos_token="</s>")
     )
-    assert rendered == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n"
-        "<|im_start|>user\nHi there<|im_end|>\n"
-        "<|im_start|>assistant\n"
-    )
+    assert rendered == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
     for marker in ("<|im_start|>", "<|im_end|>"):
         assert len(llm.tokenize(marker.encode(), add_bos=False)) <= 2
     assert llm.detokenize(llm.tokenize(rendered.encode(), add_bos=True)) == rendered.encode()

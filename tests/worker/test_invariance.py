@@ -197,7 +197,15 @@ def test_settling_is_idle_time_work_that_yields_to_a_waiting_job(runners: dict[s
 
 @pytest.mark.parametrize(
     ("n", "n_batch", "sizes"),
-    [(1, 512, [1]), (2, 512, [2]), (512, 512, [512]), (513, 512, [511, 2]), (1025, 512, [512, 511, 2]), (700, 512, [512, 188]), (7, 3, [3, 2, 2])],
+    [
+        (1, 512, [1]),
+        (2, 512, [2]),
+        (512, 512, [512]),
+        (513, 512, [511, 2]),
+        (1025, 512, [512, 511, 2]),
+        (700, 512, [512, 188]),
+        (7, 3, [3, 2, 2]),
+    ],
 )
 def test_batch_sizes_never_end_on_a_lone_token(n: int, n_batch: int, sizes: list[int]) -> None:
     assert batch_sizes(n, n_batch) == sizes and sum(sizes) == n

@@ -212,10 +212,10 @@ def _good() -> bytes:
         pytest.param(lambda b: b[:-1], id="truncated-end"),
         pytest.param(lambda b: b[:200], id="truncated-middle"),
         pytest.param(lambda b: b[:14], id="truncated-header"),
-        pytest.param(lambda b: b[:16 + 32 * 12] + struct.pack("<I", 7) + b[16 + 32 * 12 + 4 :], id="bad-v_trans"),
+        pytest.param(lambda b: b[: 16 + 32 * 12] + struct.pack("<I", 7) + b[16 + 32 * 12 + 4 :], id="bad-v_trans"),
     ],
 )
-def test_malformed_states_are_refused(mutate) -> None:  # noqa: ANN001
+def test_malformed_states_are_refused(mutate) -> None:
     with pytest.raises(StateFormatError):
         cut_state(mutate(_good()), 16)
 

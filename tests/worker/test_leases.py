@@ -16,8 +16,8 @@ import redis
 
 from tests.conftest import POOL_CHUNK
 from tests.worker.conftest import PoolClient
-from worker.namespace import namespace_for
 from worker.leases import EvalRate, Leases, leased_by_others
+from worker.namespace import namespace_for
 from worker.protocol import lease_key
 
 KEYS = [bytes([i]) * 16 for i in range(4)]

@@ -63,7 +63,9 @@ def test_unreachable_endpoint_is_store_unavailable(redis_url: str, tmp_path: Pat
     assert not os.path.exists(tmp_path / "models" / "s3" / "models" / "x.gguf")
 
 
-def test_a_download_that_does_not_match_its_sha256_is_refused_and_not_kept(s3_server: S3Server, redis_url: str, tmp_path: Path, tiny_model: Path) -> None:
+def test_a_download_that_does_not_match_its_sha256_is_refused_and_not_kept(
+    s3_server: S3Server, redis_url: str, tmp_path: Path, tiny_model: Path
+) -> None:
     settings = s3_settings(s3_server.endpoint_url, "models3", redis_url, state_dir=tmp_path)
     client = s3(settings)
     client.create_bucket(Bucket="models3")
@@ -87,7 +89,9 @@ def test_a_download_that_does_not_match_its_sha256_is_refused_and_not_kept(s3_se
         fetch_model("s3://models3/m/tiny.gguf", settings, sha256="not-a-digest")
 
 
-def test_kvpool_model_fetch_url_is_what_an_init_container_runs(s3_server: S3Server, redis_url: str, tmp_path: Path, tiny_model: Path) -> None:
+def test_kvpool_model_fetch_url_is_what_an_init_container_runs(
+    s3_server: S3Server, redis_url: str, tmp_path: Path, tiny_model: Path
+) -> None:
     """`kvpool model fetch --url ... --sha256 ...` puts the model where a worker with KVPOOL_MODEL=<url> looks, or fails loudly."""
     settings = s3_settings(s3_server.endpoint_url, "models4", redis_url, state_dir=tmp_path)
     s3(settings).create_bucket(Bucket="models4")

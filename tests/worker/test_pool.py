@@ -84,7 +84,11 @@ def test_a_three_turn_chat_is_served_from_the_store_by_other_workers(start_worke
         results.append(r)
         held = history + r.tokens[:-1]
         wait_published(client, held, len(held) // C)
-        history = history + r.tokens + client.tokens("<|im_end|>\n<|im_start|>user\n" + prompt_text(10 + turn, 30) + "<|im_end|>\n<|im_start|>assistant\n")
+        history = (
+            history
+            + r.tokens
+            + client.tokens("<|im_end|>\n<|im_start|>user\n" + prompt_text(10 + turn, 30) + "<|im_end|>\n<|im_start|>assistant\n")
+        )
     assert [r.worker for r in results] == ["w1", "w2", "w3"]
     for r in results[1:]:
         assert r.usage.cached_from_store >= 0.6 * r.usage.prompt_tokens, r.usage

@@ -13,8 +13,8 @@ import redis
 from rq import Queue
 
 from store.redis_server import RedisServer
-from tests.worker.conftest import PoolClient
 from tests.conftest import prompt_text
+from tests.worker.conftest import PoolClient
 from worker.advert import adverts
 from worker.protocol import worker_queue
 from worker.spawn import WorkerProcess

@@ -8,9 +8,7 @@ from worker.llama_state import kv_layout, open_llama
 from worker.selfcheck import check_restore
 
 
-@pytest.mark.parametrize(
-    "flash_attn,cache", [(False, "f16"), (True, "f16"), (True, "q8_0")], ids=["f16", "f16-flash", "q8_0-flash"]
-)
+@pytest.mark.parametrize("flash_attn,cache", [(False, "f16"), (True, "f16"), (True, "q8_0")], ids=["f16", "f16-flash", "q8_0-flash"])
 def test_round_trip_reproduces_cold_logits(tiny_model, flash_attn: bool, cache: str) -> None:
     llm = open_llama(tiny_model, flash_attn=flash_attn, type_k=cache, n_ctx=256, n_threads=2)
     check = check_restore(llm, kv_layout(llm))

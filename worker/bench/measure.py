@@ -92,7 +92,13 @@ def bytes_per_token(blob_sizes: Sequence[int], chunk_size: int, kv: KvLayout) ->
             "payload_header": layout.header_bytes / chunk_size,
             "blob_header": header_size(chunk_size) / chunk_size,
         },
-        "layout": {"n_layer": kv.n_layer, "n_embd_k_gqa": kv.n_embd_k_gqa, "n_embd_v_gqa": kv.n_embd_v_gqa, "type_k": kv.type_k, "type_v": kv.type_v},
+        "layout": {
+            "n_layer": kv.n_layer,
+            "n_embd_k_gqa": kv.n_embd_k_gqa,
+            "n_embd_v_gqa": kv.n_embd_v_gqa,
+            "type_k": kv.type_k,
+            "type_v": kv.type_v,
+        },
     }
 
 

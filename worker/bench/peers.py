@@ -183,7 +183,7 @@ def llama_servers(binary: Path, model: Path, *, count: int, threads: int, slots:
             port = free_port()
             args = [str(binary), "-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx * slots)]
             args += ["-np", str(slots), "--host", "127.0.0.1", "--port", str(port)]
-            log = open(logs / f"llama-server-{count}x{slots}-{i}.log", "ab")  # noqa: SIM115 -- handed to the child
+            log = open(logs / f"llama-server-{count}x{slots}-{i}.log", "ab")  # handed to the child
             env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}  # a shared-library build keeps its libraries beside it
             procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env))
             urls.append(f"http://127.0.0.1:{port}")
@@ -223,17 +223,23 @@ def systems(binary: Path | None, model: Path, *, threads: int, n_ctx: int, logs:
             binary, model, count=2, threads=max(1, threads // 2), slots=1, n_ctx=n_ctx, logs=logs
         )
     found[f"kvpool 1w x {threads}t"] = lambda: kvpool_pool(model, workers=1, threads=threads, n_ctx=n_ctx, logs=logs)
-    found[f"kvpool 2w x {max(1, threads // 2)}t"] = lambda: kvpool_pool(model, workers=2, threads=max(1, threads // 2), n_ctx=n_ctx, logs=logs)
+    found[f"kvpool 2w x {max(1, threads // 2)}t"] = lambda: kvpool_pool(
+        model, workers=2, threads=max(1, threads // 2), n_ctx=n_ctx, logs=logs
+    )
     return found
 
 
 def decode_run(system: str, urls: list[str], model: str, *, requests: int = 8, concurrency: int = 4, max_tokens: int = 128) -> RunResult:
     """Decode throughput: short prompts, long answers; tokens are counted from each reply's usage."""
-    bodies = tuple(_chat(model, "You are a storyteller.", f"Tell story number {i + 1} about a lighthouse keeper.", max_tokens) for i in range(requests))
+    bodies = tuple(
+        _chat(model, "You are a storyteller.", f"Tell story number {i + 1} about a lighthouse keeper.", max_tokens) for i in range(requests)
+    )
     return run_workload(system, urls, Workload("decode", f"{requests} x {max_tokens} tokens", bodies), concurrency)
 
 
-def run_peers(binary: Path | None, model: Path, model_name: str, repo: Path, *, threads: int, n_ctx: int, logs: Path, echo: Callable[[str], None]) -> dict[str, object]:
+def run_peers(
+    binary: Path | None, model: Path, model_name: str, repo: Path, *, threads: int, n_ctx: int, logs: Path, echo: Callable[[str], None]
+) -> dict[str, object]:
     results: list[RunResult] = []
     decode: list[dict[str, object]] = []
     wls = workloads(repo, model_name)
@@ -247,26 +253,46 @@ def run_peers(binary: Path | None, model: Path, model_name: str, repo: Path, *, 
                             _stream(c, url, warm)
                     r = run_workload(name, urls, wl, conc)
                 results.append(r)
-                echo(f"{name:32s} {wl.key} c={conc}: wall {r.wall_s:6.2f} s, TTFT p50 {r.ttft_p50 * 1000:7.1f} ms, cached {r.cached_tokens}/{r.prompt_tokens}")
+                echo(
+                    f"{name:32s} {wl.key} c={conc}: wall {r.wall_s:6.2f} s, TTFT p50 {r.ttft_p50 * 1000:7.1f} ms, cached {r.cached_tokens}/{r.prompt_tokens}"
+                )
         with start() as urls:  # type: ignore[attr-defined]
             for url in urls:
                 with httpx.Client(timeout=600) as c:
                     _stream(c, url, warm)
             d = decode_run(name, urls, model_name)
-        decode.append({"system": name, "wall_s": d.wall_s, "completion_tokens": d.completion_tokens, "tokens_per_s": d.completion_tokens / d.wall_s})
+        decode.append(
+            {"system": name, "wall_s": d.wall_s, "completion_tokens": d.completion_tokens, "tokens_per_s": d.completion_tokens / d.wall_s}
+        )
         echo(f"{name:32s} decode: {d.completion_tokens} tokens in {d.wall_s:6.2f} s ({d.completion_tokens / d.wall_s:.0f} tokens/s)")
-    return {"threads": threads, "n_ctx": n_ctx, "model": model_name, "runs": [asdict(r) | {"ttft_p50": r.ttft_p50, "ttft_p95": r.ttft_p95} for r in results], "decode": decode}
+    return {
+        "threads": threads,
+        "n_ctx": n_ctx,
+        "model": model_name,
+        "runs": [asdict(r) | {"ttft_p50": r.ttft_p50, "ttft_p95": r.ttft_p95} for r in results],
+        "decode": decode,
+    }
 
 
 def report(doc: dict[str, object], command: str) -> str:
     """Markdown: one table per workload and concurrency, with ratios to llama-server's single slot."""
     runs = doc["runs"]  # type: ignore[index]
-    lines = [f"Model {doc['model']}, {doc['threads']} threads in all per system, context {doc['n_ctx']} per slot.", "", f"Command: `{command}`", ""]
+    lines = [
+        f"Model {doc['model']}, {doc['threads']} threads in all per system, context {doc['n_ctx']} per slot.",
+        "",
+        f"Command: `{command}`",
+        "",
+    ]
     for key in sorted({r["workload"] for r in runs}):  # type: ignore[index]
         for conc in (1, 4):
             rows = [r for r in runs if r["workload"] == key and r["concurrency"] == conc]  # type: ignore[index]
             base = next((r for r in rows if r["system"] == "llama-server 1 slot"), None)
-            lines += [f"### {key}, concurrency {conc}", "", "| system | wall s | TTFT p50 ms | TTFT p95 ms | cached / prompt tokens | wall vs llama-server 1 slot | TTFT p50 vs llama-server 1 slot |", "|---|---|---|---|---|---|---|"]
+            lines += [
+                f"### {key}, concurrency {conc}",
+                "",
+                "| system | wall s | TTFT p50 ms | TTFT p95 ms | cached / prompt tokens | wall vs llama-server 1 slot | TTFT p50 vs llama-server 1 slot |",
+                "|---|---|---|---|---|---|---|",
+            ]
             for r in rows:
                 ratio = (f"{base['wall_s'] / r['wall_s']:.2f}x", f"{base['ttft_p50'] / r['ttft_p50']:.2f}x") if base else ("-", "-")
                 lines.append(

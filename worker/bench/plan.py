@@ -9,6 +9,8 @@ estimate and the progress lines count these steps.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +18,6 @@ import numpy as np
 
 from worker.bench.inprocess import InProcessModel
 from worker.bench.workloads import WORKLOAD_KEYS, Request, Sizes, TokenSource, Workload
-
 
 SYSTEMS = ("cold", "llama-ram", "llama-disk", "kvpool", "kvpool-cross", "kvpool-2w", "kvpool-nostore", "suffix-only")
 """Every system name a sample can carry; ``suffix-only`` is the floor's evaluation part, not a system."""
@@ -58,8 +59,18 @@ PROFILES = {
     "quick": Profile(
         "quick",
         Sizes(
-            prefix_tokens=128, question_tokens=16, shared_questions=2, chat_turns=3, chat_system_tokens=32,
-            chat_user_tokens=24, chat_reply_tokens=16, docs=2, doc_tokens=96, doc_questions=2, unique_prompts=2, unique_tokens=64,
+            prefix_tokens=128,
+            question_tokens=16,
+            shared_questions=2,
+            chat_turns=3,
+            chat_system_tokens=32,
+            chat_user_tokens=24,
+            chat_reply_tokens=16,
+            docs=2,
+            doc_tokens=96,
+            doc_questions=2,
+            unique_prompts=2,
+            unique_tokens=64,
         ),
         chunk_size=32,
         n_ctx=1024,
@@ -178,3 +189,37 @@ class Planner:
                 est = sum(self.eval_s(r.n, r.n) for r in wl.requests) * 0.6
                 steps.append(Step("batch", wl.key, "kvpool-2w", est_s=est))
         return steps
+
+
+Echo = Callable[[str], None]
+
+
+class Progress:
+    """Prints one line per step with the elapsed time and what is left, rescaled by how the estimates have fared so far."""
+
+    def __init__(self, echo: Echo, total_steps: int, total_est_s: float) -> None:
+        self.echo = echo
+        self.total = total_steps
+        self.left_est = total_est_s
+        self.done = 0
+        self.spent_est = 0.0
+        self.t0 = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def advance(self, est_s: float, line: str) -> None:
+        self.done += 1
+        self.spent_est += est_s
+        self.left_est = max(0.0, self.left_est - est_s)
+        scale = self.elapsed() / self.spent_est if self.spent_est > 0 else 1.0
+        left = self.left_est * min(max(scale, 0.05), 20.0)
+        self.echo(f"[{self.done:>3}/{self.total}] {clock(self.elapsed())} (~{clock(left)} left)  {line}")
+
+    def note(self, line: str) -> None:
+        self.echo(f"          {clock(self.elapsed())}  {line}")
+
+
+def clock(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60:02d}:{s % 60:02d}"

@@ -91,8 +91,17 @@ def _floor(run: Run) -> dict[str, Any] | None:
             continue
         moved = sfx["reused_tokens"] // run["profile"]["chunk_size"] * raw["object_bytes"]
         floor = moved / bw + sfx["ttft_s"]
-        per.append({"request": i, "bytes": moved, "transfer_s": moved / bw, "suffix_s": sfx["ttft_s"], "floor_s": floor,
-                    "kvpool_ttft_s": cross[i]["ttft_s"], "ratio": cross[i]["ttft_s"] / floor})
+        per.append(
+            {
+                "request": i,
+                "bytes": moved,
+                "transfer_s": moved / bw,
+                "suffix_s": sfx["ttft_s"],
+                "floor_s": floor,
+                "kvpool_ttft_s": cross[i]["ttft_s"],
+                "ratio": cross[i]["ttft_s"] / floor,
+            }
+        )
     if not per:
         return None
     cold = {s["request"]: s["ttft_s"] for s in _by(samples, "shared", "cold")}
@@ -164,41 +173,70 @@ def _throughput(run: Run) -> dict[str, Any] | None:
 
 
 def _target(name: str, goal: str, measured: float | None, fmt: str, ok: bool | None, note: str = "") -> dict[str, Any]:
-    return {"target": name, "goal": goal, "measured": measured, "shown": (fmt.format(measured) if measured is not None else "n/a"),
-            "met": ok, "note": note}
+    return {
+        "target": name,
+        "goal": goal,
+        "measured": measured,
+        "shown": (fmt.format(measured) if measured is not None else "n/a"),
+        "met": ok,
+        "note": note,
+    }
 
 
 def targets(run: Run) -> list[dict[str, Any]]:
     rows = {(r["workload"], r["system"]): r for r in run["summary"]}
-    cross = rows.get(("shared", "kvpool-cross"))
-    ram = rows.get(("shared", "llama-ram"))
-    disk = rows.get(("shared", "llama-disk"))
-    out = []
+    return _w1_targets(run, rows) + _resume_targets(rows) + _store_targets(run)
+
+
+def _w1_targets(run: Run, rows: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
+    cross, ram, disk = rows.get(("shared", "kvpool-cross")), rows.get(("shared", "llama-ram")), rows.get(("shared", "llama-disk"))
     sp = cross["speedup_vs_cold"] if cross else None
     fl = run.get("floor")
-    note = f"the physical floor itself is {fl['floor_speedup_vs_cold']:.1f}x faster than cold" if fl and fl.get("floor_speedup_vs_cold") else ""
-    out.append(_target("W1 cross-worker TTFT, speed-up over cold", ">= 25x", sp, "{:.1f}x", None if sp is None else sp >= 25, note))
+    note = (
+        f"the physical floor itself is {fl['floor_speedup_vs_cold']:.1f}x faster than cold"
+        if fl and fl.get("floor_speedup_vs_cold")
+        else ""
+    )
+    out = [_target("W1 cross-worker TTFT, speed-up over cold", ">= 25x", sp, "{:.1f}x", None if sp is None else sp >= 25, note)]
     r = fl["ratio"] if fl else None
-    out.append(_target("W1 cross-worker TTFT / physical floor", "<= 1.3x", r, "{:.2f}x", None if r is None else r <= 1.3,
-                       "floor = KV bytes / raw GET bandwidth + suffix-only evaluation"))
+    floor_note = "floor = KV bytes / raw GET bandwidth + suffix-only evaluation"
+    out.append(_target("W1 cross-worker TTFT / physical floor", "<= 1.3x", r, "{:.2f}x", None if r is None else r <= 1.3, floor_note))
     r = cross["ttft_p50_s"] / ram["ttft_p50_s"] if cross and ram else None
     out.append(_target("W1 cross-worker TTFT / LlamaRAMCache same-process hit", "<= 1.5x", r, "{:.2f}x", None if r is None else r <= 1.5))
     r = cross["ttft_p50_s"] / disk["ttft_p50_s"] if cross and disk else None
     out.append(_target("W1 cross-worker TTFT / LlamaDiskCache hit", "< 1x (ahead)", r, "{:.2f}x", None if r is None else r < 1))
-    bpt = run.get("bytes_per_token") or {}
-    r = bpt.get("ratio")
+    return out
+
+
+def _resume_targets(rows: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
+    """A worker that never saw a prompt resumes where another stopped: cross-worker close to same-worker."""
+    out = []
+    for wl, title in (("chat", "W2"), ("docs", "W3")):
+        cross, same = rows.get((wl, "kvpool-cross")), rows.get((wl, "kvpool"))
+        r = cross["ttft_p50_s"] / same["ttft_p50_s"] if cross and same else None
+        out.append(
+            _target(f"{title} cross-worker TTFT / same-worker TTFT (p50)", "<= 1.15x", r, "{:.2f}x", None if r is None else r <= 1.15)
+        )
+    return out
+
+
+def _store_targets(run: Run) -> list[dict[str, Any]]:
+    out = []
+    r = (run.get("bytes_per_token") or {}).get("ratio")
     out.append(_target("stored bytes per token / theoretical KV bytes", "<= 1.01", r, "{:.4f}", None if r is None else r <= 1.01))
     miss = run.get("miss_cost")
     r = miss["added_fraction"] if miss else None
     note = ""
     if miss and miss.get("outside_eval_added_fraction") is not None:
-        note = (f"whole TTFT, paired by prompt; outside prompt evaluation (which the store does not touch) it adds "
-                f"{miss['outside_eval_added_s'] * 1e3:+.1f} ms ({miss['outside_eval_added_fraction'] * 100:+.2f}% of TTFT)")
-    out.append(_target("miss: TTFT added by the store (W4)", "<= +3%", None if r is None else r * 100, "{:+.2f}%",
-                       None if r is None else r <= 0.03, note))
-    h = run.get("hashing") or {}
-    r = h.get("total_p50_s")
-    out.append(_target("chain hashing + lookup, 32k tokens (p50)", "< 5 ms", None if r is None else r * 1e3, "{:.2f} ms", None if r is None else r < 0.005))
+        note = (
+            f"whole TTFT, paired by prompt; outside prompt evaluation (which the store does not touch) it adds "
+            f"{miss['outside_eval_added_s'] * 1e3:+.1f} ms ({miss['outside_eval_added_fraction'] * 100:+.2f}% of TTFT)"
+        )
+    shown = None if r is None else r * 100
+    out.append(_target("miss: TTFT added by the store (W4)", "<= +3%", shown, "{:+.2f}%", None if r is None else r <= 0.03, note))
+    r = (run.get("hashing") or {}).get("total_p50_s")
+    shown = None if r is None else r * 1e3
+    out.append(_target("chain hashing + lookup, 32k tokens (p50)", "< 5 ms", shown, "{:.2f} ms", None if r is None else r < 0.005))
     return out
 
 
@@ -233,11 +271,20 @@ def table_rows(doc: dict[str, Any]) -> list[list[str]]:
     out = []
     for run in doc["runs"]:
         for r in run["summary"]:
-            out.append([
-                run["model"]["label"], WORKLOAD_TITLES.get(r["workload"], r["workload"]), r["system"], str(r["n"]),
-                _s(r["ttft_p50_s"]), _s(r["ttft_p95_s"]), _s(r["total_s"]), str(r["evaluated_tokens"]), str(r["reused_tokens"]),
-                _x(r["speedup_vs_cold"]),
-            ])
+            out.append(
+                [
+                    run["model"]["label"],
+                    WORKLOAD_TITLES.get(r["workload"], r["workload"]),
+                    r["system"],
+                    str(r["n"]),
+                    _s(r["ttft_p50_s"]),
+                    _s(r["ttft_p95_s"]),
+                    _s(r["total_s"]),
+                    str(r["evaluated_tokens"]),
+                    str(r["reused_tokens"]),
+                    _x(r["speedup_vs_cold"]),
+                ]
+            )
     return out
 
 
@@ -271,79 +318,14 @@ def _rows_of(run: Run) -> list[list[str]]:
     return table_rows({"runs": [run]})
 
 
-# -- plots ------------------------------------------------------------------------
-
-
-def plot(doc: dict[str, Any], out: Path) -> list[str]:
-    """Write ``ttft.png`` and ``tokens.png``; returns their file names (none without the ``bench`` extra)."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("no plots: matplotlib is not installed (pip install 'kvpool[bench]')", file=sys.stderr)
-        return []
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = doc["runs"]
-    colors = dict(zip(SYSTEMS, plt.get_cmap("tab10").colors))
-    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 4.2 * len(runs)), squeeze=False)
-    for ax, run in zip(axes[:, 0], runs):
-        wls = [w["key"] for w in run["workloads"]]
-        rows = {(r["workload"], r["system"]): r for r in run["summary"]}
-        systems = [s for s in SYSTEMS if any((w, s) in rows for w in wls)]
-        width = 0.8 / max(1, len(systems))
-        for j, s in enumerate(systems):
-            xs, p50, p95 = [], [], []
-            for i, w in enumerate(wls):
-                r = rows.get((w, s))
-                if r:
-                    xs.append(i + (j - (len(systems) - 1) / 2) * width)
-                    p50.append(r["ttft_p50_s"])
-                    p95.append(max(0.0, r["ttft_p95_s"] - r["ttft_p50_s"]))
-            ax.bar(xs, p50, width, yerr=[[0] * len(p95), p95], capsize=2, label=s, color=colors[s],
-                   hatch="//" if s == "suffix-only" else None, edgecolor="white" if s != "suffix-only" else "black")
-        ax.set_yscale("log")
-        ax.set_xticks(range(len(wls)), [WORKLOAD_TITLES.get(w, w) for w in wls])
-        ax.set_ylabel("time to first token, s (p50, bar to p95)")
-        ax.set_title(f"model {run['model']['label']}")
-        ax.grid(axis="y", which="both", alpha=0.3)
-        ax.legend(fontsize=8, ncol=4)
-    fig.tight_layout()
-    fig.savefig(out / "ttft.png", dpi=110)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 4.2 * len(runs)), squeeze=False)
-    for ax, run in zip(axes[:, 0], runs):
-        rows = [r for r in run["summary"] if r["system"] != "suffix-only"]
-        labels = [f"{r['workload']}\n{r['system']}" for r in rows]
-        ev = [r["evaluated_tokens"] / r["n"] for r in rows]
-        re = [r["reused_tokens"] / r["n"] for r in rows]
-        xs = range(len(rows))
-        ax.bar(xs, ev, 0.7, label="evaluated", color="#d62728")
-        ax.bar(xs, re, 0.7, bottom=ev, label="reused", color="#2ca02c")
-        ax.set_xticks(list(xs), labels, rotation=70, fontsize=7)
-        ax.set_ylabel("prompt tokens per request (mean)")
-        ax.set_title(f"model {run['model']['label']}: prompt tokens evaluated vs reused")
-        ax.legend(fontsize=8)
-        ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "tokens.png", dpi=110)
-    plt.close(fig)
-    return ["ttft.png", "tokens.png"]
-
-
 def write_outputs(doc: dict[str, Any], out: Path) -> list[Path]:
     """Write results.json, report.md and the plots into ``out``; returns the paths."""
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        plots = plot(doc, out)
-    except ImportError:
-        print("kvpool bench: matplotlib is not installed, so no plots (pip install matplotlib)", file=sys.stderr)
-        plots = []
-    write_json(doc, out / "results.json")
+    from worker.bench.plots import plot
     from worker.bench.report_md import markdown
 
+    out.mkdir(parents=True, exist_ok=True)
+    plots = plot(doc, out)
+    write_json(doc, out / "results.json")
     (out / "report.md").write_text(markdown(doc, plots))
     return [out / "results.json", out / "report.md", *(out / p for p in plots)]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from worker.bench.measure import median
-from worker.bench.report import TABLE_HEAD, WORKLOAD_TITLES, Run, _rows_of
 from worker.bench.plan import SYSTEM_TITLES
+from worker.bench.report import TABLE_HEAD, WORKLOAD_TITLES, Run, _rows_of
 
 
 def _md_table(head: list[str], rows: list[list[str]]) -> str:
@@ -26,15 +26,19 @@ def markdown(doc: dict[str, Any], plots: list[str]) -> str:
         doc["command"],
         "```",
         "",
-        (f"Started {doc['started_at']}, took {doc['duration_s'] / 60:.1f} min. Store: {doc.get('store_endpoint', doc['store'])}. "
-        f"Machine: {m['cpu']}, {m['usable_cpus']} usable CPUs, {m['memory_gb']} GB RAM, {m['platform']}, Python {m['python']}, "
-        f"llama-cpp-python {m['llama_cpp_python']}. Load average at start {_load(m.get('loadavg_at_start'))}, "
-        f"at end {_load(m.get('loadavg_at_end'))} (other processes on the machine share its cores)."),
+        (
+            f"Started {doc['started_at']}, took {doc['duration_s'] / 60:.1f} min. Store: {doc.get('store_endpoint', doc['store'])}. "
+            f"Machine: {m['cpu']}, {m['usable_cpus']} usable CPUs, {m['memory_gb']} GB RAM, {m['platform']}, Python {m['python']}, "
+            f"llama-cpp-python {m['llama_cpp_python']}. Load average at start {_load(m.get('loadavg_at_start'))}, "
+            f"at end {_load(m.get('loadavg_at_end'))} (other processes on the machine share its cores)."
+        ),
         "",
-        ("Every system answers the same prompts with the same model, threads and greedy sampling (EOS banned, so each request "
-        "generates the same number of tokens). Systems are interleaved request by request. Time to first token (TTFT) runs from "
-        "the request to the first sampled token; for kvpool it is what the client sees, queue and Redis stream included. "
-        "`vs cold` compares medians over the requests both answered."),
+        (
+            "Every system answers the same prompts with the same model, threads and greedy sampling (EOS banned, so each request "
+            "generates the same number of tokens). Systems are interleaved request by request. Time to first token (TTFT) runs from "
+            "the request to the first sampled token; for kvpool it is what the client sees, queue and Redis stream included. "
+            "`vs cold` compares medians over the requests both answered."
+        ),
         "",
         "Systems: " + "; ".join(f"`{k}`: {v}" for k, v in SYSTEM_TITLES.items()) + ".",
         "",
@@ -65,11 +69,17 @@ def _md_header(run: Run) -> list[str]:
     fl_load = run.get("foreign_load") or {}
     load_note = ""
     if fl_load.get("during_p50_cores") is not None:
-        load_note = (f" While requests ran, other processes on the machine used {fl_load['during_p50_cores']:.2f} cores (p50, p95 "
-                     f"{fl_load['during_p95_cores']:.2f}); {fl_load['samples_above_half_core']} of {fl_load['samples']} samples ran "
-                     "while they used half a core or more (each sample's `foreign_cpu` in results.json)"
-                     + (f"; rounds waited {fl_load['waited_s']:.0f} s in all for them to drop below {fl_load['limit_cores']} cores"
-                        if fl_load.get("limit_cores") is not None else "") + ".")
+        load_note = (
+            f" While requests ran, other processes on the machine used {fl_load['during_p50_cores']:.2f} cores (p50, p95 "
+            f"{fl_load['during_p95_cores']:.2f}); {fl_load['samples_above_half_core']} of {fl_load['samples']} samples ran "
+            "while they used half a core or more (each sample's `foreign_cpu` in results.json)"
+            + (
+                f"; rounds waited {fl_load['waited_s']:.0f} s in all for them to drop below {fl_load['limit_cores']} cores"
+                if fl_load.get("limit_cores") is not None
+                else ""
+            )
+            + "."
+        )
     out = [
         f"## Model `{label}`",
         "",
@@ -94,9 +104,14 @@ def _md_cross(run: Run) -> list[str]:
         n = sum(r["n"] for r in crosses)
         z = sum(r["from_context_zero"] for r in crosses)
         st = sum(r["restored_from_store"] for r in crosses)
-        out += [(f"Cross-worker check: {z} of {n} `kvpool-cross` requests reused nothing from the serving worker's own context "
+        out += [
+            (
+                f"Cross-worker check: {z} of {n} `kvpool-cross` requests reused nothing from the serving worker's own context "
                 f"(`cached_from_context` = 0); {st} restored a prefix from the store (the others had nothing to restore: first "
-                "requests of a document or conversation)."), ""]
+                "requests of a document or conversation)."
+            ),
+            "",
+        ]
     return out
 
 
@@ -109,21 +124,28 @@ def _md_floor(run: Run) -> list[str]:
         out += [
             "### Physical floor of a cross-worker hit (W1)",
             "",
-            (f"Raw GET bandwidth of the store endpoint, {run['raw_get']['objects']} objects of {run['raw_get']['object_bytes'] / 1e6:.2f} MB "
-            f"fetched {run['raw_get']['threads']} at a time: {fl['raw_get_bytes_per_s'] / 1e6:.0f} MB/s (median of {fl['raw_get_samples']}). "
-            f"KV bytes to move: {fl['kv_bytes'] / 1e6:.1f} MB, so {fl['transfer_s'] * 1e3:.0f} ms; suffix-only evaluation "
-            f"{fl['suffix_eval_s'] * 1e3:.0f} ms. Floor {fl['floor_s'] * 1e3:.0f} ms; kvpool cross-worker TTFT "
-            f"{fl['kvpool_cross_ttft_s'] * 1e3:.0f} ms = **{fl['ratio']:.2f}x the floor**."),
+            (
+                f"Raw GET bandwidth of the store endpoint, {run['raw_get']['objects']} objects of {run['raw_get']['object_bytes'] / 1e6:.2f} MB "
+                f"fetched {run['raw_get']['threads']} at a time: {fl['raw_get_bytes_per_s'] / 1e6:.0f} MB/s (median of {fl['raw_get_samples']}). "
+                f"KV bytes to move: {fl['kv_bytes'] / 1e6:.1f} MB, so {fl['transfer_s'] * 1e3:.0f} ms; suffix-only evaluation "
+                f"{fl['suffix_eval_s'] * 1e3:.0f} ms. Floor {fl['floor_s'] * 1e3:.0f} ms; kvpool cross-worker TTFT "
+                f"{fl['kvpool_cross_ttft_s'] * 1e3:.0f} ms = **{fl['ratio']:.2f}x the floor**."
+            ),
             "",
         ]
         if cross:
             cs = [s for s in run["samples"] if s["workload"] == "shared" and s["system"] == "kvpool-cross"]
-            parts = {k: median([s[k] for s in cs if s[k] is not None]) for k in ("lookup_s", "fetch_s", "restore_s", "prompt_eval_s", "worker_ttft_s")}
+            parts = {
+                k: median([s[k] for s in cs if s[k] is not None])
+                for k in ("lookup_s", "fetch_s", "restore_s", "prompt_eval_s", "worker_ttft_s")
+            }
             out += [
-                ("Where kvpool's cross-worker time goes (worker timings, medians): "
-                f"lookup {_ms(parts['lookup_s'])}, fetch + verify {_ms(parts['fetch_s'])}, join + restore {_ms(parts['restore_s'])}, "
-                f"suffix evaluation {_ms(parts['prompt_eval_s'])}; worker-side TTFT {_ms(parts['worker_ttft_s'])} against "
-                f"{_ms(cross['ttft_p50_s'])} seen by the client."),
+                (
+                    "Where kvpool's cross-worker time goes (worker timings, medians): "
+                    f"lookup {_ms(parts['lookup_s'])}, fetch + verify {_ms(parts['fetch_s'])}, join + restore {_ms(parts['restore_s'])}, "
+                    f"suffix evaluation {_ms(parts['prompt_eval_s'])}; worker-side TTFT {_ms(parts['worker_ttft_s'])} against "
+                    f"{_ms(cross['ttft_p50_s'])} seen by the client."
+                ),
                 "",
             ]
     return out
@@ -138,9 +160,11 @@ def _md_bytes(run: Run) -> list[str]:
         out += [
             "### Stored bytes per token",
             "",
-            (f"{bpt['stored_bytes_per_token']:.1f} stored against {bpt['theoretical_kv_bytes_per_token']} theoretical (K and V rows of "
-            f"{bpt['layout']['n_layer']} layers) = {bpt['ratio']:.4f}; per token the overhead is {o['cell_metadata']} bytes of cell "
-            f"metadata, {o['payload_header']:.2f} of payload header and {o['blob_header']:.2f} of blob header ({bpt['chunks']} chunks)."),
+            (
+                f"{bpt['stored_bytes_per_token']:.1f} stored against {bpt['theoretical_kv_bytes_per_token']} theoretical (K and V rows of "
+                f"{bpt['layout']['n_layer']} layers) = {bpt['ratio']:.4f}; per token the overhead is {o['cell_metadata']} bytes of cell "
+                f"metadata, {o['payload_header']:.2f} of payload header and {o['blob_header']:.2f} of blob header ({bpt['chunks']} chunks)."
+            ),
             "",
         ]
     return out
@@ -154,13 +178,15 @@ def _md_miss(run: Run) -> list[str]:
         out += [
             "### Cost of a miss (W4)",
             "",
-            (f"Cold requests on a worker with the store enabled vs disabled, paired by prompt and run back to back "
-             f"({miss['requests']} pairs): TTFT {miss['ttft_store_p50_s']:.3f} s vs {miss['ttft_nostore_p50_s']:.3f} s, the store adds "
-             f"{miss['added_fraction'] * 100:+.2f}% (median of the pairs). Prompt evaluation alone takes {miss['prompt_eval_store_p50_s']:.3f} s "
-             f"vs {miss['prompt_eval_nostore_p50_s']:.3f} s; everything else the client waits for (queue, lookup, the first-token snapshot "
-             f"for publishing, the stream) {_ms(miss['outside_eval_store_p50_s'])} vs {_ms(miss['outside_eval_nostore_p50_s'])}, so the "
-             f"store's own cost on a miss is {miss['outside_eval_added_s'] * 1e3:+.1f} ms ({miss['outside_eval_added_fraction'] * 100:+.2f}%), "
-             f"its lookup {_ms(miss['lookup_p50_s'])}."),
+            (
+                f"Cold requests on a worker with the store enabled vs disabled, paired by prompt and run back to back "
+                f"({miss['requests']} pairs): TTFT {miss['ttft_store_p50_s']:.3f} s vs {miss['ttft_nostore_p50_s']:.3f} s, the store adds "
+                f"{miss['added_fraction'] * 100:+.2f}% (median of the pairs). Prompt evaluation alone takes {miss['prompt_eval_store_p50_s']:.3f} s "
+                f"vs {miss['prompt_eval_nostore_p50_s']:.3f} s; everything else the client waits for (queue, lookup, the first-token snapshot "
+                f"for publishing, the stream) {_ms(miss['outside_eval_store_p50_s'])} vs {_ms(miss['outside_eval_nostore_p50_s'])}, so the "
+                f"store's own cost on a miss is {miss['outside_eval_added_s'] * 1e3:+.1f} ms ({miss['outside_eval_added_fraction'] * 100:+.2f}%), "
+                f"its lookup {_ms(miss['lookup_p50_s'])}."
+            ),
             "",
         ]
     return out
@@ -171,13 +197,19 @@ def _md_throughput(run: Run) -> list[str]:
     out: list[str] = []
     thr = run.get("throughput")
     if thr:
-        sp = f", {thr['speedup_vs_single_worker']:.2f}x the single 2-thread worker's sequential {thr['single_worker_sequential_s']:.1f} s" if thr.get("speedup_vs_single_worker") else ""
+        sp = (
+            f", {thr['speedup_vs_single_worker']:.2f}x the single 2-thread worker's sequential {thr['single_worker_sequential_s']:.1f} s"
+            if thr.get("speedup_vs_single_worker")
+            else ""
+        )
         out += [
             "### Throughput (W3, 2 workers)",
             "",
-            (f"{thr['requests']} requests submitted at once to {thr['workers']} workers of {thr['threads_each']} thread: "
-            f"{thr['wall_s']:.1f} s, {thr['requests_per_s']:.3f} requests/s, {thr['prompt_tokens_per_s']:.0f} prompt tokens/s{sp}. "
-            "The `kvpool-2w` rows' times to first token include the wait in the queue."),
+            (
+                f"{thr['requests']} requests submitted at once to {thr['workers']} workers of {thr['threads_each']} thread: "
+                f"{thr['wall_s']:.1f} s, {thr['requests_per_s']:.3f} requests/s, {thr['prompt_tokens_per_s']:.0f} prompt tokens/s{sp}. "
+                "The `kvpool-2w` rows' times to first token include the wait in the queue."
+            ),
             "",
         ]
     return out
@@ -191,8 +223,10 @@ def _md_hashing(run: Run) -> list[str]:
         out += [
             "### Chain hashing and lookup",
             "",
-            (f"{h['tokens']} tokens ({h['chunks']} chunks): hashing {_ms(h['hash_p50_s'])}, index lookup {_ms(h['lookup_p50_s'])}, "
-            f"together {_ms(h['total_p50_s'])} p50, {_ms(h['total_p95_s'])} p95 ({h['reps']} repetitions)."),
+            (
+                f"{h['tokens']} tokens ({h['chunks']} chunks): hashing {_ms(h['hash_p50_s'])}, index lookup {_ms(h['lookup_p50_s'])}, "
+                f"together {_ms(h['total_p50_s'])} p50, {_ms(h['total_p95_s'])} p95 ({h['reps']} repetitions)."
+            ),
             "",
         ]
     return out
@@ -205,10 +239,14 @@ def _md_notes(run: Run) -> list[str]:
     out += [
         "### Notes",
         "",
-        (f"- The store holds full chunks of {prof['chunk_size']} tokens and each prompt's partial last chunk (its tail), so a "
-        "worker that never saw a prompt resumes at the exact token another worker reached, as its own context would."),
-        ("- `LlamaDiskCache` (llama-cpp-python 0.3.36) removes an entry when it reads it and stores the new prompt instead, so "
-        "when requests alternate between documents most of its lookups find only the other document."),
+        (
+            f"- The store holds full chunks of {prof['chunk_size']} tokens and each prompt's partial last chunk (its tail), so a "
+            "worker that never saw a prompt resumes at the exact token another worker reached, as its own context would."
+        ),
+        (
+            "- `LlamaDiskCache` (llama-cpp-python 0.3.36) removes an entry when it reads it and stores the new prompt instead, so "
+            "when requests alternate between documents most of its lookups find only the other document."
+        ),
         "- Both llama-cpp-python caches load a saved state even when it shares only BOS with the prompt (W4).",
         "",
         "### Targets",
@@ -216,9 +254,22 @@ def _md_notes(run: Run) -> list[str]:
         "Targets are set for the `bench` model; other models' rows are for information.",
         "",
     ]
-    out += [_md_table(["target", "goal", "measured", "result", "note"],
-                      [[g["target"], g["goal"], g["shown"], "met" if g["met"] else ("**missed**" if g["met"] is False else "n/a"), g.get("note", "")]
-                       for g in run["targets"]]), ""]
+    out += [
+        _md_table(
+            ["target", "goal", "measured", "result", "note"],
+            [
+                [
+                    g["target"],
+                    g["goal"],
+                    g["shown"],
+                    "met" if g["met"] else ("**missed**" if g["met"] is False else "n/a"),
+                    g.get("note", ""),
+                ]
+                for g in run["targets"]
+            ],
+        ),
+        "",
+    ]
     return out
 
 

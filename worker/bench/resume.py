@@ -59,8 +59,11 @@ def _median(fn: Callable[[], JobResult], repeats: int) -> tuple[float, JobResult
 def measure(model: Path, n_tokens: int, threads: int, repeats: int, work: Path) -> dict[str, object]:
     with RedisServer(work / "redis") as redis_server:
         settings = WorkerSettings(
-            redis_url=redis_server.url, store_url=str(work / "store"), n_ctx=max(4096, n_tokens + 256),
-            n_threads=threads, settle_completions=False,
+            redis_url=redis_server.url,
+            store_url=str(work / "store"),
+            n_ctx=max(4096, n_tokens + 256),
+            n_threads=threads,
+            settle_completions=False,
         )
         store = Store.open(settings)
         engines = {
@@ -91,11 +94,21 @@ def measure(model: Path, n_tokens: int, threads: int, repeats: int, work: Path) 
         "prompt_tokens": len(tokens),
         "threads": threads,
         "repeats": repeats,
-        "resent": {"cold_ttft_s": cold_s, "fresh_worker_ttft_s": fresh_s, "speedup": cold_s / fresh_s,
-                   "restored_tokens": fresh.usage.cached_from_store, "evaluated_tokens": fresh.usage.evaluated_tokens},
-        "next_turn": {"prompt_tokens": turn_r.usage.prompt_tokens, "cold_ttft_s": turn_cold_s, "fresh_worker_ttft_s": turn_s,
-                      "speedup": turn_cold_s / turn_s, "restored_tokens": turn_r.usage.cached_from_store,
-                      "evaluated_tokens": turn_r.usage.evaluated_tokens},
+        "resent": {
+            "cold_ttft_s": cold_s,
+            "fresh_worker_ttft_s": fresh_s,
+            "speedup": cold_s / fresh_s,
+            "restored_tokens": fresh.usage.cached_from_store,
+            "evaluated_tokens": fresh.usage.evaluated_tokens,
+        },
+        "next_turn": {
+            "prompt_tokens": turn_r.usage.prompt_tokens,
+            "cold_ttft_s": turn_cold_s,
+            "fresh_worker_ttft_s": turn_s,
+            "speedup": turn_cold_s / turn_s,
+            "restored_tokens": turn_r.usage.cached_from_store,
+            "evaluated_tokens": turn_r.usage.evaluated_tokens,
+        },
     }
 
 

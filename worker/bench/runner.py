@@ -15,23 +15,24 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
-
 from worker.bench import measure
+from worker.bench.inprocess import InProcessModel, LlamaCppSystem
 from worker.bench.plan import (
     STATELESS,
+    Echo,
     ModelRun,
     Planner,
     Prepared,
+    Progress,
     Step,
+    clock,
     floor_keep,
 )
 from worker.bench.services import Services, WorkerSpec
-from worker.bench.inprocess import InProcessModel, LlamaCppSystem
 from worker.bench.systems import (
     KvpoolSystem,
     PoolClient,
@@ -48,7 +49,6 @@ from worker.llama_state import kv_layout
 from worker.namespace import namespace_for
 from worker.spawn import WorkerProcess
 
-Echo = Callable[[str], None]
 
 def prepare(run: ModelRun, seed: int, max_foreign_load: float | None = None) -> Prepared:
     prof = run.profile
@@ -65,37 +65,6 @@ def prepare(run: ModelRun, seed: int, max_foreign_load: float | None = None) -> 
     prep.steps = Planner(prep).plan()
     prep.startup_est_s = 3 * (8.0 + run.path.stat().st_size / 200e6)  # three rounds of worker start-ups
     return prep
-
-
-class Progress:
-    """Prints one line per step with the elapsed time and what is left, rescaled by how the estimates have fared so far."""
-
-    def __init__(self, echo: Echo, total_steps: int, total_est_s: float) -> None:
-        self.echo = echo
-        self.total = total_steps
-        self.left_est = total_est_s
-        self.done = 0
-        self.spent_est = 0.0
-        self.t0 = time.monotonic()
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.t0
-
-    def advance(self, est_s: float, line: str) -> None:
-        self.done += 1
-        self.spent_est += est_s
-        self.left_est = max(0.0, self.left_est - est_s)
-        scale = self.elapsed() / self.spent_est if self.spent_est > 0 else 1.0
-        left = self.left_est * min(max(scale, 0.05), 20.0)
-        self.echo(f"[{self.done:>3}/{self.total}] {_clock(self.elapsed())} (~{_clock(left)} left)  {line}")
-
-    def note(self, line: str) -> None:
-        self.echo(f"          {_clock(self.elapsed())}  {line}")
-
-
-def _clock(s: float) -> str:
-    s = int(s)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60:02d}:{s % 60:02d}"
 
 
 class ModelSession:
@@ -223,8 +192,9 @@ class ModelSession:
         sample.foreign_cpu = load
         self.samples.append(sample)
         busy = f"  [others used {load:.1f} cores]" if load is not None and load >= 0.5 else ""
-        self.progress.advance(step.est_s, f"{head} ttft {sample.ttft_s:7.3f} s  "
-                              f"({sample.reused_tokens} reused, {sample.evaluated_tokens} evaluated){busy}")
+        self.progress.advance(
+            step.est_s, f"{head} ttft {sample.ttft_s:7.3f} s  ({sample.reused_tokens} reused, {sample.evaluated_tokens} evaluated){busy}"
+        )
 
     def _measure(self, step: Step) -> tuple[Sample | None, float | None]:
         """One answer to the step's request, and what other processes used meanwhile."""
@@ -234,8 +204,20 @@ class ModelSession:
         if step.system == "suffix-only":
             keep = floor_keep(req, self.prof.chunk_size)
             secs = self.prep.model.suffix_eval(req.tokens, keep)
-            sample: Sample | None = Sample(self.label, req.workload, "suffix-only", req.index, req.label, req.n, secs, secs,
-                                           req.n - keep, keep, 0, at_s=time.monotonic() - self.clock)
+            sample: Sample | None = Sample(
+                self.label,
+                req.workload,
+                "suffix-only",
+                req.index,
+                req.label,
+                req.n,
+                secs,
+                secs,
+                req.n - keep,
+                keep,
+                0,
+                at_s=time.monotonic() - self.clock,
+            )
         else:
             sample = self.systems[step.system].run(req, self.prof.max_tokens)
         return sample, self.foreign.end(mark)
@@ -249,8 +231,10 @@ class ModelSession:
             obj = int(statistics.mean(sizes)) if sizes else kv_layout(self.prep.model.llm).bytes_per_token * c
             self.probe = measure.RawGetProbe(self.settings, obj, max(1, floor_keep(first, c) // c), self.settings.io_threads)
         bw = self.probe.measure()
-        self.progress.advance(step.est_s, f"{self.label}  shared  raw GET of {len(self.probe.names)} x "
-                              f"{self.probe.object_bytes / 1e6:.1f} MB: {bw / 1e6:.0f} MB/s")
+        self.progress.advance(
+            step.est_s,
+            f"{self.label}  shared  raw GET of {len(self.probe.names)} x {self.probe.object_bytes / 1e6:.1f} MB: {bw / 1e6:.0f} MB/s",
+        )
 
     def _batch(self, step: Step) -> None:
         """All of a workload at once on the 2-worker pool.
@@ -268,8 +252,16 @@ class ModelSession:
         for attempt in range(1, 4):
             self.new_round()
             mark = self.foreign.begin()
-            batch, wall = run_batch(self.client, f"{self.queue}:pool", f"pool:docs:{attempt}", wl.requests, self.prof.max_tokens,
-                                    system="kvpool-2w", model_label=self.label, clock=self.clock)
+            batch, wall = run_batch(
+                self.client,
+                f"{self.queue}:pool",
+                f"pool:docs:{attempt}",
+                wl.requests,
+                self.prof.max_tokens,
+                system="kvpool-2w",
+                model_label=self.label,
+                clock=self.clock,
+            )
             load = self.foreign.end(mark) or 0.0
             attempts.append((load, batch, wall))
             if self.max_foreign_load is None or load < self.max_foreign_load:
@@ -280,8 +272,13 @@ class ModelSession:
         for s in batch:
             s.foreign_cpu = load
         self.samples += batch
-        self.batches[step.workload] = {"workers": 2, "threads_each": self.prof.pool_threads, "requests": len(batch), "wall_s": wall,
-                                       "attempts": [{"wall_s": w, "foreign_cpu": f} for f, _, w in attempts]}
+        self.batches[step.workload] = {
+            "workers": 2,
+            "threads_each": self.prof.pool_threads,
+            "requests": len(batch),
+            "wall_s": wall,
+            "attempts": [{"wall_s": w, "foreign_cpu": f} for f, _, w in attempts],
+        }
         self.progress.advance(step.est_s, f"{self.label}  {step.workload:<7} kvpool-2w       {len(batch)} requests at once: {wall:.1f} s")
 
     def _extras(self) -> dict[str, object]:
@@ -305,8 +302,17 @@ class ModelSession:
             },
             "profile": {**asdict(self.prof), "sizes": asdict(self.prof.sizes)},
             "calibration": prep.calibration,
-            "workloads": [{"key": w.key, "title": w.title, "description": w.description, "requests": len(w.requests),
-                           "measured": len(w.measured), "prompt_tokens": [r.n for r in w.requests]} for w in prep.workloads],
+            "workloads": [
+                {
+                    "key": w.key,
+                    "title": w.title,
+                    "description": w.description,
+                    "requests": len(w.requests),
+                    "measured": len(w.measured),
+                    "prompt_tokens": [r.n for r in w.requests],
+                }
+                for w in prep.workloads
+            ],
             "samples": [s.to_dict() for s in self.samples],
             "batches": self.batches,
             "publish_stalls": stalls,
@@ -369,9 +375,11 @@ def run_bench(
         n_steps = sum(len(p.steps) for p in preps)
         for p in preps:
             cal = p.calibration
-            echo(f"  {p.run.label}: {cal['prompt_tokens_per_s']:.0f} prompt tokens/s, {cal['decode_s_per_token'] * 1e3:.0f} ms per generated token "
-                 f"on {p.run.profile.threads} threads; {len(p.steps)} steps")
-        echo(f"Expected duration: about {_clock(est)} (min:s, or h:min:s), {n_steps} steps. Ctrl-C stops everything cleanly.")
+            echo(
+                f"  {p.run.label}: {cal['prompt_tokens_per_s']:.0f} prompt tokens/s, {cal['decode_s_per_token'] * 1e3:.0f} ms per generated token "
+                f"on {p.run.profile.threads} threads; {len(p.steps)} steps"
+            )
+        echo(f"Expected duration: about {clock(est)} (min:s, or h:min:s), {n_steps} steps. Ctrl-C stops everything cleanly.")
         progress = Progress(echo, n_steps, est)
         for p in preps:
             doc["runs"].append(ModelSession(p, services, progress, t0, max_foreign_load).play())  # type: ignore[union-attr]

@@ -83,7 +83,9 @@ class Services:
             return "local directory"
         return f"S3 at {self.store_env['KVPOOL_S3_ENDPOINT_URL']}" + ("" if self.s3_endpoint_url else " (moto server, loopback)")
 
-    def start_workers(self, specs: list[WorkerSpec], *, model: Path, chunk_size: int, n_ctx: int, timeout_s: float = 600.0) -> list[WorkerProcess]:
+    def start_workers(
+        self, specs: list[WorkerSpec], *, model: Path, chunk_size: int, n_ctx: int, timeout_s: float = 600.0
+    ) -> list[WorkerProcess]:
         """Start the workers side by side and wait until each advertises itself (model loaded, self-check passed)."""
         dead_s3 = f"http://127.0.0.1:{free_port()}"
         procs = []
@@ -99,12 +101,14 @@ class Services:
             }
             if not spec.store:
                 # Nothing listens there, so the worker starts with its store disabled (no lookups, no publishing).
-                env.update({
-                    "KVPOOL_STORE_URL": f"s3://{BUCKET}/disabled",
-                    "KVPOOL_S3_ENDPOINT_URL": dead_s3,
-                    "KVPOOL_CONNECT_TIMEOUT_S": "0.5",
-                    "KVPOOL_RETRIES": "0",
-                })
+                env.update(
+                    {
+                        "KVPOOL_STORE_URL": f"s3://{BUCKET}/disabled",
+                        "KVPOOL_S3_ENDPOINT_URL": dead_s3,
+                        "KVPOOL_CONNECT_TIMEOUT_S": "0.5",
+                        "KVPOOL_RETRIES": "0",
+                    }
+                )
             procs.append(WorkerProcess(spec.name, env, self.work_dir / "logs" / f"{spec.name}.log"))
         self.workers += procs
         conn = self.conn

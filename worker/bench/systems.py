@@ -220,8 +220,11 @@ class KvpoolSystem:
         result, ttft, total = self.client.run(req.tokens, queue=worker_queue(worker), tenant=self.tenant, max_tokens=max_tokens)
         # Publishing runs in the background; let it finish so it neither competes with the next
         # request (of any system) nor leaves this system's next request without its chunks.
-        if (self.store and self.publish_stalls < 2
-                and not self.client.wait_published(held_tokens(req, result), self.tenant, self.publish_timeout_s)):
+        if (
+            self.store
+            and self.publish_stalls < 2
+            and not self.client.wait_published(held_tokens(req, result), self.tenant, self.publish_timeout_s)
+        ):
             self.publish_stalls += 1
         if req.warmup:
             return None
@@ -266,7 +269,7 @@ def run_batch(
     def collect(i: int) -> None:
         try:
             results[i] = client.collect(jobs[i], t0)
-        except BaseException as e:  # noqa: BLE001 -- re-raised below, in the caller's thread
+        except BaseException as e:  # re-raised below, in the caller's thread
             results[i] = e
 
     threads = [threading.Thread(target=collect, args=(i,), daemon=True) for i in range(len(requests))]

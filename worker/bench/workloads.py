@@ -143,8 +143,7 @@ def documents(src: TokenSource, sizes: Sizes, seed: int) -> Workload:
     pairs = [(d, q, src.random(rng, sizes.question_tokens)) for d in range(sizes.docs) for q in range(sizes.doc_questions)]
     order = rng.permutation(len(pairs))
     requests = [
-        Request("docs", i, f"doc{pairs[j][0] + 1}/q{pairs[j][1] + 1}", docs[pairs[j][0]] + pairs[j][2])
-        for i, j in enumerate(order)
+        Request("docs", i, f"doc{pairs[j][0] + 1}/q{pairs[j][1] + 1}", docs[pairs[j][0]] + pairs[j][2]) for i, j in enumerate(order)
     ]
     return Workload(
         "docs",
