@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +22,13 @@ from store.store import Store
 from tests.services import S3_ACCESS_KEY, S3_SECRET_KEY, S3Server
 from worker.llama_state import evaluate_prompt
 from worker.spawn import WorkerProcess
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KVPOOL_* variable in the shell that runs the tests must not change what they see (nor the processes they start)."""
+    for name in [k for k in os.environ if k.startswith("KVPOOL_")]:
+        monkeypatch.delenv(name)
 
 
 @pytest.fixture(scope="session")
@@ -172,3 +180,19 @@ def prompt_text(seed: int, words: int) -> str:
     vocab = "the a of and to in is was for on that with as by at from this be or an are it his her they we you".split()
     vocab += "river mountain signal engine memory garden window silver letter market winter harbor lantern".split()
     return " ".join(rng.choice(vocab, words))
+
+
+def wait_settled(redis_url: str, timeout_s: float = 30.0) -> None:
+    """Poll until every live worker is idle with nothing left to publish: what it evaluated is in the store."""
+    import time
+
+    from worker.advert import adverts
+
+    conn = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ads = adverts(conn)
+        if ads and all(not a.busy and a.pending == 0 for a in ads):
+            return
+        assert time.monotonic() < deadline, f"workers still busy or publishing: {[(a.worker, a.busy, a.pending) for a in ads]}"
+        time.sleep(0.05)

@@ -50,6 +50,8 @@ class Advert:
     model: str = ""
     chunk_size: int = 0
     layout: str = ""
+    pending: int = 0
+    """Publish tasks not finished yet: 0 on an idle worker once everything it evaluated is in the store."""
 
     def serves(self, model: str, chunk_size: int) -> bool:
         """Whether this worker can run a job of this model and chunk size."""
@@ -75,9 +77,17 @@ class Serving:
 
 
 def advertise(
-    conn: redis.Redis, worker: str, keys: Sequence[bytes], busy: bool, *, pid: int = 0, host: str = "", serving: Serving | None = None
+    conn: redis.Redis,
+    worker: str,
+    keys: Sequence[bytes],
+    busy: bool,
+    *,
+    pid: int = 0,
+    host: str = "",
+    serving: Serving | None = None,
+    pending: int = 0,
 ) -> None:
-    doc: dict[str, object] = {"keys": [k.hex() for k in keys], "busy": busy, "pid": pid, "host": host}
+    doc: dict[str, object] = {"keys": [k.hex() for k in keys], "busy": busy, "pid": pid, "host": host, "pending": pending}
     if serving is not None:
         doc.update(model=serving.model, chunk_size=serving.chunk_size, layout=serving.layout)
     conn.eval(_WRITE, 1, ADVERTS_KEY, worker, json.dumps(doc))
@@ -118,6 +128,7 @@ def _advert(name: str, doc: dict[str, Any]) -> Advert:
         str(doc.get("model", "")),
         int(doc.get("chunk_size", 0)),
         str(doc.get("layout", "")),
+        int(doc.get("pending", 0)),
     )
 
 

@@ -77,7 +77,10 @@ class KvpoolWorker(SimpleWorker):
         try:
             e = self.engine
             serving = Serving(e.fingerprint, e.settings.chunk_size, e.layout.canonical())
-            advertise(self.connection, self.name, e.held_keys(), busy, pid=os.getpid(), host=self.hostname or "", serving=serving)
+            pending = e.publisher.pending if e.publisher else 0
+            advertise(
+                self.connection, self.name, e.held_keys(), busy, pid=os.getpid(), host=self.hostname or "", serving=serving, pending=pending
+            )
         except redis.RedisError as e:
             log.warning("advert.failed", extra={"reason": str(e)})
 

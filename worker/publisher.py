@@ -50,6 +50,11 @@ class Publisher:
                 on_done()
             return False
 
+    @property
+    def pending(self) -> int:
+        """Tasks queued or running."""
+        return self._tasks.unfinished_tasks
+
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
         """Block until every queued task is done (for tests, benchmarks and shutdown)."""
         deadline = time.monotonic() + timeout_s

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import llama_cpp
 import pytest
 
-from tests.conftest import POOL_CHUNK, cold_greedy, prompt_text
+from tests.conftest import POOL_CHUNK, cold_greedy, prompt_text, wait_settled
 from tests.gateway.conftest import MODEL, openai_client
 
 
@@ -19,12 +17,12 @@ def pool(start_worker, start_gateway):
 
 
 @pytest.mark.fp_path
-def test_completions_with_a_shared_prefix_report_cached_tokens_and_match_a_cold_run(pool, tiny_model, cold_llm) -> None:
+def test_completions_with_a_shared_prefix_report_cached_tokens_and_match_a_cold_run(pool, tiny_model, cold_llm, redis_url) -> None:
     client = openai_client(pool)
     document = prompt_text(20, 200)
     first = client.completions.create(model=MODEL, prompt=document + " first question", max_tokens=20, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    time.sleep(1.0)  # publishing runs in the background after the answer
+    wait_settled(redis_url)  # publishing runs in the background after the answer
 
     second = client.completions.create(model=MODEL, prompt=document + " another question", max_tokens=20, temperature=0, seed=3)
     vocab = llama_cpp.Llama(str(tiny_model), vocab_only=True, verbose=False)
@@ -37,13 +35,13 @@ def test_completions_with_a_shared_prefix_report_cached_tokens_and_match_a_cold_
     assert second.choices[0].finish_reason in ("length", "stop")
 
 
-def test_sampling_with_a_seed_is_the_same_restored_or_cold(pool) -> None:
+def test_sampling_with_a_seed_is_the_same_restored_or_cold(pool, redis_url) -> None:
     client = openai_client(pool)
     prompt = prompt_text(21, 180)
     kwargs = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0.9, seed=1234)
     cold = client.completions.create(**kwargs)
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
-    time.sleep(1.0)
+    wait_settled(redis_url)
     warm = [client.completions.create(**kwargs) for _ in range(2)]
     assert all(w.usage.prompt_tokens_details.cached_tokens > 0 for w in warm)
     assert [w.choices[0].text for w in warm] == [cold.choices[0].text] * 2
@@ -78,11 +76,11 @@ def test_chat_and_streamed_chat(pool) -> None:
     assert "<|im_end|>" not in text
 
 
-def test_multi_turn_chat_is_served_from_cache(pool) -> None:
+def test_multi_turn_chat_is_served_from_cache(pool, redis_url) -> None:
     client = openai_client(pool)
     messages = [{"role": "system", "content": prompt_text(24, 150)}, {"role": "user", "content": "First question?"}]
     r1 = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
-    time.sleep(1.0)
+    wait_settled(redis_url)
     messages += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "And then?"}]
     r2 = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
     assert r2.usage.prompt_tokens_details.cached_tokens >= (r1.usage.prompt_tokens // POOL_CHUNK) * POOL_CHUNK

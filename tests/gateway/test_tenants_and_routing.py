@@ -4,26 +4,25 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import llama_cpp
 import pytest
 
-from tests.conftest import cold_greedy, prompt_text
+from tests.conftest import cold_greedy, prompt_text, wait_settled
 from tests.gateway.conftest import MODEL, openai_client
 
 KEYS = {"key-a1": "team-a", "key-a2": "team-a", "key-b": "team-b"}
 
 
-def test_tenants_do_not_share_cache_and_keys_of_one_tenant_do(start_worker, start_gateway) -> None:
+def test_tenants_do_not_share_cache_and_keys_of_one_tenant_do(start_worker, start_gateway, redis_url) -> None:
     start_worker("w1")
     gw = start_gateway(KVPOOL_API_KEYS=json.dumps(KEYS), KVPOOL_TENANT_SECRET="test-secret")
     prompt = prompt_text(30, 200)
 
     def cached(key: str) -> int:
         r = openai_client(gw, key).completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
-        time.sleep(0.5)
+        wait_settled(redis_url)
         return r.usage.prompt_tokens_details.cached_tokens
 
     assert cached("key-a1") == 0
@@ -45,7 +44,9 @@ def test_missing_or_wrong_key_is_401(start_worker, start_gateway) -> None:
 
 
 @pytest.mark.fp_path
-def test_a_follow_up_goes_to_the_holder_when_free_and_elsewhere_when_busy(start_worker, start_gateway, tiny_model, cold_llm) -> None:
+def test_a_follow_up_goes_to_the_holder_when_free_and_elsewhere_when_busy(
+    start_worker, start_gateway, tiny_model, cold_llm, redis_url
+) -> None:
     start_worker("w1", KVPOOL_N_CTX="4096")
     start_worker("w2", KVPOOL_N_CTX="4096")
     gw = start_gateway(KVPOOL_N_CTX="4096")
@@ -56,13 +57,13 @@ def test_a_follow_up_goes_to_the_holder_when_free_and_elsewhere_when_busy(start_
     first = client.completions.create(model=MODEL, prompt=history, max_tokens=8, temperature=0)
     holder = first.model_extra["kvpool"]["worker"]
     other = ({"w1", "w2"} - {holder}).pop()
-    time.sleep(1.0)
+    wait_settled(redis_url)
 
     follow = history + first.choices[0].text + " and next"
     free = client.completions.create(model=MODEL, prompt=follow, max_tokens=8, temperature=0)
     assert free.model_extra["kvpool"]["worker"] == holder
     assert free.model_extra["kvpool"]["cached_from_context"] > 0
-    time.sleep(1.0)
+    wait_settled(redis_url)
 
     busy_started = threading.Event()
 
