@@ -57,7 +57,7 @@ _TAIL_MAGIC = b"kvpool/tail"
 
 
 @dataclass(frozen=True)
-class KVLayout:
+class CacheFormat:
     """Every setting that changes the bytes of a KV cache for one model.
 
     ``extras`` holds llama.cpp settings outside the context parameters that still alter
@@ -71,7 +71,7 @@ class KVLayout:
     extras: tuple[tuple[str, str], ...] = ()
 
     @classmethod
-    def of(cls, type_k: str, type_v: str, flash_attn: bool, extras: Mapping[str, str] | None = None) -> KVLayout:
+    def of(cls, type_k: str, type_v: str, flash_attn: bool, extras: Mapping[str, str] | None = None) -> CacheFormat:
         return cls(type_k, type_v, bool(flash_attn), tuple(sorted((extras or {}).items())))
 
     def canonical(self) -> str:
@@ -85,7 +85,7 @@ class Namespace:
     """What a chain is rooted in. Its ``key`` is the parent of chunk 0."""
 
     model_fingerprint: str
-    layout: KVLayout = field(default_factory=KVLayout)
+    layout: CacheFormat = field(default_factory=CacheFormat)
     chunk_size: int = DEFAULT_CHUNK_SIZE
     tenant_salt: str = ""
 
@@ -107,7 +107,7 @@ class Namespace:
         return keys[index - 1] if index else self.key
 
 
-PREFIX_LAYOUT = KVLayout("-", "-", False, (("address", "prefix"),))
+PREFIX_LAYOUT = CacheFormat("-", "-", False, (("address", "prefix"),))
 """The layout of the prefix chain: the same for every worker, so it names tokens, not bytes."""
 
 
@@ -120,7 +120,7 @@ def _field(data: bytes) -> bytes:
     return struct.pack("<I", len(data)) + data
 
 
-def namespace_key(model_fingerprint: str, layout: KVLayout, chunk_size: int, tenant_salt: str) -> bytes:
+def namespace_key(model_fingerprint: str, layout: CacheFormat, chunk_size: int, tenant_salt: str) -> bytes:
     """xxh3-128 over length-prefixed canonical fields, in a fixed order."""
     payload = b"".join(
         [

@@ -44,15 +44,15 @@ from worker.errors import JobRejected
 from worker.leases import EvalRate, Leases
 from worker.llama_state import (
     CACHE_TYPE_NAMES,
-    KvLayout,
+    ContextCache,
     StateReadError,
     batch_sizes,
+    context_cache,
     evaluate_prompt,
-    kv_layout,
     open_llama,
     read_seq_state,
 )
-from worker.namespace import chain_layout
+from worker.namespace import cache_format
 from worker.prefix import Plan, PrefixFinder
 from worker.protocol import ChoiceResult, JobResult, JobSpec, Timings, TokenEvent, Usage
 from worker.publisher import Publisher
@@ -89,8 +89,8 @@ class Engine(PrefixFinder):
             n_threads_batch=settings.threads_batch(),
             n_gpu_layers=settings.n_gpu_layers,
         )
-        self.kv: KvLayout = kv_layout(self.llm)
-        self.layout = chain_layout(
+        self.kv: ContextCache = context_cache(self.llm)
+        self.layout = cache_format(
             CACHE_TYPE_NAMES.get(self.kv.type_k, str(self.kv.type_k)),
             CACHE_TYPE_NAMES.get(self.kv.type_v, str(self.kv.type_v)),
             self.kv.flash_attn,

@@ -13,7 +13,7 @@ so cutting goes by each cell's ``pos``.
 A payload is self-describing and independent of ``v_trans`` (flash attention on/off),
 so one stored chunk serves contexts with either V layout::
 
-    4s  magic = b"KVPC"
+    4s  magic = b"KVCL"           (KV cells; a blob, around it, starts b"KVPC")
     u16 version = 1
     u16 cell_meta_bytes              12, or 24 with ext
     u32 n_cells
@@ -54,9 +54,9 @@ from worker.kvstate import (
     PAYLOAD_VERSION,
     STATE_MAGIC,
     Buffer,
-    LayerLayout,
+    CellFormat,
+    LayerFormat,
     StateFormatError,
-    StateLayout,
     _parse_state,
     _Parsed,
     _position_order,
@@ -69,7 +69,7 @@ _TRANSPOSE_BLOCK_BYTES = 1 << 17
 
 @dataclass(frozen=True)
 class PayloadInfo:
-    layout: StateLayout
+    layout: CellFormat
     n_cells: int
     first_pos: int
 
@@ -200,11 +200,11 @@ def join_state(payloads: Sequence[Buffer], *, v_trans: bool) -> bytearray:
     return out
 
 
-def _records(payloads: Sequence[Buffer]) -> tuple[StateLayout, list[np.ndarray], int]:
+def _records(payloads: Sequence[Buffer]) -> tuple[CellFormat, list[np.ndarray], int]:
     """Each payload's token records as a (tokens, bytes per token) view, checked to hold positions ``0..N-1`` of one sequence."""
     if not payloads:
         raise StateFormatError("nothing to join")
-    layout: StateLayout | None = None
+    layout: CellFormat | None = None
     parts: list[np.ndarray] = []
     n_cells = 0
     for i, payload in enumerate(payloads):
@@ -229,7 +229,7 @@ def _records(payloads: Sequence[Buffer]) -> tuple[StateLayout, list[np.ndarray],
     return layout, parts, n_cells
 
 
-def _payload_head(payload: Buffer) -> tuple[StateLayout, int]:
+def _payload_head(payload: Buffer) -> tuple[CellFormat, int]:
     if len(payload) < _PAYLOAD_HEAD.size:
         raise StateFormatError("payload is truncated")
     magic, version, meta_bytes, n_cells, n_layer = _PAYLOAD_HEAD.unpack_from(payload, 0)
@@ -241,8 +241,8 @@ def _payload_head(payload: Buffer) -> tuple[StateLayout, int]:
         raise StateFormatError(f"implausible payload header (cell_meta_bytes={meta_bytes}, n_layer={n_layer})")
     if len(payload) < _PAYLOAD_HEAD.size + n_layer * _LAYER_DESC.size:
         raise StateFormatError("payload is truncated")
-    layers = tuple(LayerLayout(*_LAYER_DESC.unpack_from(payload, _PAYLOAD_HEAD.size + i * _LAYER_DESC.size)) for i in range(n_layer))
-    layout = StateLayout(layers, meta_bytes)
+    layers = tuple(LayerFormat(*_LAYER_DESC.unpack_from(payload, _PAYLOAD_HEAD.size + i * _LAYER_DESC.size)) for i in range(n_layer))
+    layout = CellFormat(layers, meta_bytes)
     if len(payload) != layout.payload_bytes(n_cells):
         raise StateFormatError(f"payload is {len(payload)} bytes; {n_cells} cells of this layout need {layout.payload_bytes(n_cells)}")
     return layout, n_cells

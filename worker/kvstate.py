@@ -20,7 +20,7 @@ llama.cpp (``llama_context::state_seq_get_data``, ``llama_kv_cache::state_write`
 in the blob says so, so it is detected by which stride makes the whole blob parse. The
 cells appear in cache-cell order, which after removals and reuse is not position order.
 
-`StateLayout` is what one token of such a state looks like, whatever the V layout; it
+`CellFormat` is what one token of such a state looks like, whatever the V layout; it
 also writes the header of `worker.kvchunks`' chunk payloads, which carry it.
 """
 
@@ -37,8 +37,8 @@ from worker.errors import StateFormatError
 Buffer: TypeAlias = bytes | bytearray | memoryview
 
 STATE_MAGIC = 0xAF143CD8
-PAYLOAD_MAGIC = b"KVPC"
-PAYLOAD_VERSION = 1
+PAYLOAD_MAGIC = b"KVCL"
+PAYLOAD_VERSION = 2
 
 CELL_META_BYTES = 12
 """``i32 pos, u32 n_seq_id, i32 seq_id`` for a cell that belongs to one sequence."""
@@ -91,7 +91,7 @@ def ggml_row_bytes(ggml_type: int, n_elements: int) -> int:
 
 
 @dataclass(frozen=True)
-class LayerLayout:
+class LayerFormat:
     k_type: int
     k_row_bytes: int
     v_type: int
@@ -99,10 +99,10 @@ class LayerLayout:
 
 
 @dataclass(frozen=True)
-class StateLayout:
+class CellFormat:
     """What one token of a sequence's KV state looks like, independent of the V layout."""
 
-    layers: tuple[LayerLayout, ...]
+    layers: tuple[LayerFormat, ...]
     cell_meta_bytes: int = CELL_META_BYTES
 
     @classmethod
@@ -114,9 +114,9 @@ class StateLayout:
         type_k: int = GGML_TYPE_F16,
         type_v: int = GGML_TYPE_F16,
         cell_meta_bytes: int = CELL_META_BYTES,
-    ) -> StateLayout:
+    ) -> CellFormat:
         """The layout of a model whose layers all share one K and one V width."""
-        layer = LayerLayout(type_k, ggml_row_bytes(type_k, n_embd_k_gqa), type_v, ggml_row_bytes(type_v, n_embd_v_gqa))
+        layer = LayerFormat(type_k, ggml_row_bytes(type_k, n_embd_k_gqa), type_v, ggml_row_bytes(type_v, n_embd_v_gqa))
         return cls((layer,) * n_layer, cell_meta_bytes)
 
     @property
@@ -158,7 +158,7 @@ class StateLayout:
 class StateInfo:
     """What :func:`describe_state` found in a blob."""
 
-    layout: StateLayout
+    layout: CellFormat
     n_cells: int
     v_trans: bool
     seq_id: int
@@ -174,7 +174,7 @@ class StateInfo:
 class _Parsed:
     """Byte offsets of every section of a blob; the arrays are views into it."""
 
-    layout: StateLayout
+    layout: CellFormat
     n_cells: int
     v_trans: bool
     seq_id: int
@@ -225,7 +225,7 @@ def _parse_state(state: Buffer) -> _Parsed:
         if len(state) != _STATE_HEAD.size:
             raise StateFormatError("an empty state has trailing bytes")
         empty = np.empty((0,), np.int32)
-        return _Parsed(StateLayout(()), 0, False, seq_id, empty, (), (), empty)
+        return _Parsed(CellFormat(()), 0, False, seq_id, empty, (), (), empty)
     # Whether cells carry the 12-byte ext is not recorded: try both strides and keep the one that
     # accounts for every byte of the blob.
     errors: list[str] = []
@@ -296,8 +296,8 @@ def _parse_sections(state: Buffer, seq_id: int, n: int, meta_bytes: int) -> _Par
 
     if at != size:
         raise StateFormatError(f"state has {size - at} unexpected trailing bytes (a second cache section?)")
-    layers = tuple(LayerLayout(kt, kr, vt, vr) for (kt, kr), (vt, vr) in zip(k_descs, v_descs))
-    return _Parsed(StateLayout(layers, meta_bytes), n, bool(v_trans), seq_id, meta, tuple(keys), tuple(values), positions)
+    layers = tuple(LayerFormat(kt, kr, vt, vr) for (kt, kr), (vt, vr) in zip(k_descs, v_descs))
+    return _Parsed(CellFormat(layers, meta_bytes), n, bool(v_trans), seq_id, meta, tuple(keys), tuple(values), positions)
 
 
 def _position_order(positions: np.ndarray) -> np.ndarray | None:

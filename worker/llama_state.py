@@ -31,8 +31,8 @@ from worker.kvstate import (
     GGML_TYPE_Q5_1,
     GGML_TYPE_Q8_0,
     Buffer,
+    CellFormat,
     StateFormatError,
-    StateLayout,
     describe_state,
     state_cell_count,
 )
@@ -111,7 +111,7 @@ def open_llama(
 
 
 @dataclass(frozen=True)
-class KvLayout:
+class ContextCache:
     """Facts about a context's KV cache that decide whether (and under which key) state can be shared."""
 
     type_k: int
@@ -135,16 +135,16 @@ class KvLayout:
         return not self.flash_attn
 
     @property
-    def state_layout(self) -> StateLayout:
+    def state_layout(self) -> CellFormat:
         """The expected per-token layout, assuming every layer has the same K/V width."""
-        return StateLayout.uniform(self.n_layer, self.n_embd_k_gqa, self.n_embd_v_gqa, self.type_k, self.type_v)
+        return CellFormat.uniform(self.n_layer, self.n_embd_k_gqa, self.n_embd_v_gqa, self.type_k, self.type_v)
 
     @property
     def bytes_per_token(self) -> int:
         return self.state_layout.bytes_per_token
 
 
-def kv_layout(llm: llama_cpp.Llama) -> KvLayout:
+def context_cache(llm: llama_cpp.Llama) -> ContextCache:
     """The KV layout of ``llm``'s context.
 
     ``attn_rot_*`` reflect ``LLAMA_ATTN_ROT_DISABLE`` as it is now; llama.cpp read it when
@@ -181,7 +181,7 @@ def kv_layout(llm: llama_cpp.Llama) -> KvLayout:
     elif params.n_seq_max > 1 and not params.kv_unified:
         reason = "the cache has one stream per sequence"
 
-    return KvLayout(
+    return ContextCache(
         type_k=type_k,
         type_v=type_v,
         flash_attn=flash_attn,

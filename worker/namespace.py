@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import llama_cpp
 
-from store.chain import KVLayout, Namespace
+from store.chain import CacheFormat, Namespace
 from worker.kvstate import PAYLOAD_VERSION
 from worker.llama_state import attn_rot_disabled
 from worker.settings import WorkerSettings
 
 
-def chain_layout(type_k: str, type_v: str, flash_attn: bool) -> KVLayout:
-    return KVLayout.of(
+def cache_format(type_k: str, type_v: str, flash_attn: bool) -> CacheFormat:
+    return CacheFormat.of(
         type_k.lower(),
         type_v.lower(),
         flash_attn,
@@ -30,7 +30,7 @@ def chain_layout(type_k: str, type_v: str, flash_attn: bool) -> KVLayout:
 def namespace_for(settings: WorkerSettings, model_fingerprint: str, tenant_salt: str = "") -> Namespace:
     return Namespace(
         model_fingerprint,
-        chain_layout(settings.type_k, settings.type_v, settings.flash_attn),
+        cache_format(settings.type_k, settings.type_v, settings.flash_attn),
         settings.chunk_size,
         tenant_salt,
     )

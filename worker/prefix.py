@@ -31,7 +31,7 @@ from worker import metrics
 from worker.kvchunks import cut_state, head_cells, join_state
 from worker.kvstate import StateFormatError
 from worker.leases import Claim, EvalRate, Leases, leased_by_others
-from worker.llama_state import KvLayout, StateReadError, StateRestoreError, read_seq_state, restore_seq_state
+from worker.llama_state import ContextCache, StateReadError, StateRestoreError, read_seq_state, restore_seq_state
 
 log = logging.getLogger("kvpool.worker")
 
@@ -59,7 +59,7 @@ class PrefixFinder:
     """Mixed into the engine: needs its context, KV layout, store and what the context holds."""
 
     llm: llama_cpp.Llama
-    kv: KvLayout
+    kv: ContextCache
     store: Store | None
     labels: dict[str, str]
     restore_enabled: bool

@@ -3,10 +3,10 @@
 import pytest
 
 from store.blob import BlobName, decode_blob, encode_blob, header_size, verify_blob
-from store.chain import KVLayout, Namespace
+from store.chain import CacheFormat, Namespace
 from store.errors import BlobCorrupt, BlobMismatch
 
-NS = Namespace("fp", KVLayout.of("f16", "f16", False), chunk_size=4)
+NS = Namespace("fp", CacheFormat.of("f16", "f16", False), chunk_size=4)
 TOKENS = [5, 6, 7, 8, 9, 10, 11, 12]
 KEYS = NS.chain(TOKENS)
 PAYLOAD = bytes(range(256)) * 40

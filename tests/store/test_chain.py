@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from store.chain import (
-    KVLayout,
+    CacheFormat,
     Namespace,
     chain_keys,
     chunk_key,
@@ -15,7 +15,7 @@ from store.chain import (
     token_bytes,
 )
 
-NS = Namespace("fingerprint-0", KVLayout.of("f16", "f16", False), chunk_size=4, tenant_salt="")
+NS = Namespace("fingerprint-0", CacheFormat.of("f16", "f16", False), chunk_size=4, tenant_salt="")
 
 
 def test_fixed_vectors() -> None:
@@ -55,9 +55,9 @@ def test_each_key_covers_every_token_before_it() -> None:
     "other",
     [
         Namespace("fingerprint-1", NS.layout, 4, ""),
-        Namespace("fingerprint-0", KVLayout.of("q8_0", "q8_0", True), 4, ""),
-        Namespace("fingerprint-0", KVLayout.of("f16", "f16", True), 4, ""),
-        Namespace("fingerprint-0", KVLayout.of("f16", "f16", False, {"LLAMA_ATTN_ROT_DISABLE": "1"}), 4, ""),
+        Namespace("fingerprint-0", CacheFormat.of("q8_0", "q8_0", True), 4, ""),
+        Namespace("fingerprint-0", CacheFormat.of("f16", "f16", True), 4, ""),
+        Namespace("fingerprint-0", CacheFormat.of("f16", "f16", False, {"LLAMA_ATTN_ROT_DISABLE": "1"}), 4, ""),
         Namespace("fingerprint-0", NS.layout, 8, ""),
         Namespace("fingerprint-0", NS.layout, 4, "tenant-b"),
     ],
@@ -70,8 +70,8 @@ def test_namespace_covers_model_layout_chunk_size_and_tenant(other: Namespace) -
 
 
 def test_layout_canonical_form_ignores_extras_order() -> None:
-    a = KVLayout.of("f16", "f16", False, {"A": "1", "B": "2"})
-    b = KVLayout.of("f16", "f16", False, {"B": "2", "A": "1"})
+    a = CacheFormat.of("f16", "f16", False, {"A": "1", "B": "2"})
+    b = CacheFormat.of("f16", "f16", False, {"B": "2", "A": "1"})
     assert namespace_key("m", a, 4, "") == namespace_key("m", b, 4, "")
 
 
@@ -81,8 +81,8 @@ def test_fields_are_length_prefixed_so_boundaries_cannot_shift() -> None:
 
 def test_keys_are_identical_in_another_process() -> None:
     code = (
-        "from store.chain import KVLayout, Namespace;"
-        "ns = Namespace('fingerprint-0', KVLayout.of('f16', 'f16', False), 4, 't');"
+        "from store.chain import CacheFormat, Namespace;"
+        "ns = Namespace('fingerprint-0', CacheFormat.of('f16', 'f16', False), 4, 't');"
         "print(','.join(k.hex() for k in ns.chain(list(range(1000)))))"
     )
     outs = {
@@ -90,7 +90,7 @@ def test_keys_are_identical_in_another_process() -> None:
         for s in ("1", "2")
     }
     assert len(outs) == 1
-    here = Namespace("fingerprint-0", KVLayout.of("f16", "f16", False), 4, "t")
+    here = Namespace("fingerprint-0", CacheFormat.of("f16", "f16", False), 4, "t")
     assert outs.pop().strip() == ",".join(k.hex() for k in here.chain(list(range(1000))))
 
 

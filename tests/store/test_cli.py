@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from store.blob import BlobName
-from store.chain import KVLayout, Namespace
+from store.chain import CacheFormat, Namespace
 from store.cli import parse_size
 from store.fs import FsBackend
 from store.index import RedisIndex
 from store.redis_server import free_port
 from store.store import Store
 
-NS = Namespace("fp", KVLayout(), chunk_size=4)
+NS = Namespace("fp", CacheFormat(), chunk_size=4)
 
 
 def kvpool(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from store.chain import KVLayout, Namespace
+from store.chain import CacheFormat, Namespace
 from store.errors import StoreUnavailable
 from store.index import RedisIndex
 from store.redis_server import RedisServer, free_port
@@ -15,7 +15,7 @@ from store.store import Store
 from tests.conftest import s3_settings
 from tests.services import S3Server
 
-NS = Namespace("fp", KVLayout(), chunk_size=4)
+NS = Namespace("fp", CacheFormat(), chunk_size=4)
 TOKENS = np.arange(32)
 KEYS = NS.chain(TOKENS)
 
@@ -99,6 +99,7 @@ def test_an_s3_that_comes_back_empty_is_data_lost_not_an_outage(own_s3: S3Server
     store.publish(NS, TOKENS, KEYS, {i: b"payload" for i in range(len(KEYS))})
     own_s3.stop()
     own_s3.start()  # the same endpoint again, with no buckets: moto keeps nothing
+    assert not store.backend.exists("anything"), "the endpoint answers (moto loads its S3 backend on the first request)"
     assert store.lookup(NS, KEYS) == len(KEYS)
     assert store.fetch(NS, TOKENS, KEYS, 0, len(KEYS)) == []
     assert store.lookup(NS, KEYS) == 0, "every entry of the chain from the missing chunk on is dropped"

@@ -2,10 +2,10 @@
 
 from concurrent.futures import ThreadPoolExecutor
 
-from store.chain import KVLayout, Namespace
+from store.chain import CacheFormat, Namespace
 from store.index import RedisIndex, lru_score
 
-NS = Namespace("fp", KVLayout(), chunk_size=2)
+NS = Namespace("fp", CacheFormat(), chunk_size=2)
 KEYS = NS.chain(list(range(20)))
 
 
@@ -54,7 +54,7 @@ def test_touch_does_not_resurrect_removed_entries(index: RedisIndex) -> None:
 
 
 def test_eviction_order_is_lru_chain_then_deepest_first(index: RedisIndex) -> None:
-    other = Namespace("fp", KVLayout(), chunk_size=2).chain(list(range(100, 120)))
+    other = Namespace("fp", CacheFormat(), chunk_size=2).chain(list(range(100, 120)))
     for i in range(3):
         index.add(KEYS[i], NS.key, i, 1, now=1.7e9)
         index.add(other[i], NS.key, i, 1, now=1.7e9)

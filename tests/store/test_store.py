@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from store.blob import BlobName
-from store.chain import KVLayout, Namespace
+from store.chain import CacheFormat, Namespace
 from store.maintenance import QUARANTINE_PREFIX
 from store.store import Store
 
-NS = Namespace("fp", KVLayout.of("f16", "f16", False), chunk_size=8)
+NS = Namespace("fp", CacheFormat.of("f16", "f16", False), chunk_size=8)
 
 
 def tokens_for(seed: int, n: int = 64) -> np.ndarray:

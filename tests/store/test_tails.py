@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from store.blob import BlobName, decode_blob, encode_blob, verify_blob
-from store.chain import KVLayout, Namespace, chunk_key, tail_key
+from store.chain import CacheFormat, Namespace, chunk_key, tail_key
 from store.errors import BlobMismatch
 from store.maintenance import QUARANTINE_PREFIX
 from store.store import Store
 from store.tails import best_tail
 
-NS = Namespace("fp", KVLayout.of("f16", "f16", False), chunk_size=8)
+NS = Namespace("fp", CacheFormat.of("f16", "f16", False), chunk_size=8)
 
 
 def prompt(seed: int, n: int) -> np.ndarray:

@@ -160,25 +160,25 @@ def test_changing_the_first_token_changes_the_final_logits(llm: llama_cpp.Llama)
 
 def test_tiny_swa_is_a_sliding_window_model_whose_prefix_matters(tmp_path_factory: pytest.TempPathFactory) -> None:
     """120-token prompts run far past its 32-token window: only its global layer sees the first token."""
-    from worker.llama_state import kv_layout
+    from worker.llama_state import context_cache
 
     path = ensure_model("tiny-swa", tmp_path_factory.mktemp("models"))
     swa = llama_cpp.Llama(str(path), n_ctx=512, n_threads=1, verbose=False)
     assert swa.metadata["general.architecture"] == "cohere2"
     assert llama_cpp.llama_model_n_swa(swa.model) == SIZES["tiny-swa"].sliding_window == 32
-    layout = kv_layout(swa)
+    layout = context_cache(swa)
     assert not layout.cuttable and "sliding-window" in (layout.reason or "")
     _assert_the_first_token_matters(swa)
 
 
 def test_tiny_ssm_is_a_recurrent_model_whose_prefix_matters(tmp_path_factory: pytest.TempPathFactory) -> None:
-    from worker.llama_state import kv_layout
+    from worker.llama_state import context_cache
 
     path = ensure_model("tiny-ssm", tmp_path_factory.mktemp("models"))
     ssm = llama_cpp.Llama(str(path), n_ctx=512, n_threads=1, verbose=False)
     assert ssm.metadata["general.architecture"] == "mamba"
     assert llama_cpp.llama_model_is_recurrent(ssm.model)
-    layout = kv_layout(ssm)
+    layout = context_cache(ssm)
     assert not layout.cuttable and not layout.prefix_reuse and "recurrent" in (layout.reason or "")
     _assert_the_first_token_matters(ssm)
 

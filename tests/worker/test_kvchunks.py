@@ -21,26 +21,26 @@ from worker.kvstate import (
     GGML_TYPE_F32,
     GGML_TYPE_Q8_0,
     PAYLOAD_MAGIC,
-    LayerLayout,
+    CellFormat,
+    LayerFormat,
     StateFormatError,
-    StateLayout,
     describe_state,
     state_cell_count,
 )
 from worker.llama_state import read_seq_state
 
 F16_LAYERS = (
-    LayerLayout(GGML_TYPE_F16, 16, GGML_TYPE_F16, 24),
-    LayerLayout(GGML_TYPE_F16, 32, GGML_TYPE_F16, 8),
-    LayerLayout(GGML_TYPE_F16, 16, GGML_TYPE_F16, 16),
+    LayerFormat(GGML_TYPE_F16, 16, GGML_TYPE_F16, 24),
+    LayerFormat(GGML_TYPE_F16, 32, GGML_TYPE_F16, 8),
+    LayerFormat(GGML_TYPE_F16, 16, GGML_TYPE_F16, 16),
 )
-F32_LAYERS = (LayerLayout(GGML_TYPE_F32, 32, GGML_TYPE_F32, 16),) * 2
+F32_LAYERS = (LayerFormat(GGML_TYPE_F32, 32, GGML_TYPE_F32, 16),) * 2
 
 
 class Cells:
     """Per-cell contents in cell order: metadata fields and token-major K/V rows per layer."""
 
-    def __init__(self, positions: list[int], layers: tuple[LayerLayout, ...], ext: bool, seed: int = 0) -> None:
+    def __init__(self, positions: list[int], layers: tuple[LayerFormat, ...], ext: bool, seed: int = 0) -> None:
         rng = np.random.default_rng(seed)
         n = len(positions)
         self.positions = positions
@@ -90,7 +90,7 @@ def _shuffled(n: int, seed: int = 1) -> list[int]:
 @pytest.mark.parametrize("v_trans", [False, True])
 @pytest.mark.parametrize("ext", [False, True])
 @pytest.mark.parametrize("layers", [F16_LAYERS, F32_LAYERS], ids=["f16", "f32"])
-def test_join_of_cut_is_the_blob_of_the_prefix(v_trans: bool, ext: bool, layers: tuple[LayerLayout, ...]) -> None:
+def test_join_of_cut_is_the_blob_of_the_prefix(v_trans: bool, ext: bool, layers: tuple[LayerFormat, ...]) -> None:
     cells = Cells(list(range(50)), layers, ext)
     blob = _blob(cells, v_trans=v_trans, seq_id=3)
     for chunk in (1, 10, 16, 50):
@@ -152,7 +152,7 @@ def test_a_range_of_chunks() -> None:
 def test_describe() -> None:
     cells = Cells(list(range(20)), F16_LAYERS, ext=True)
     info = describe_state(_blob(cells, v_trans=True, seq_id=5))
-    assert info.layout == StateLayout(F16_LAYERS, cell_meta_bytes=24)
+    assert info.layout == CellFormat(F16_LAYERS, cell_meta_bytes=24)
     assert (info.n_cells, info.v_trans, info.seq_id, info.in_order) == (20, True, 5, True)
     payload = cut_state(_blob(cells, v_trans=False), 5)[2]
     assert describe_payload(payload).layout == info.layout
@@ -172,10 +172,10 @@ def test_an_empty_state() -> None:
 
 def test_bytes_per_token() -> None:
     # TinyLlama 1.1B: 22 layers, 4 KV heads x 64.
-    assert StateLayout.uniform(22, 256, 256).bytes_per_token == 12 + 22 * (512 + 512) == 22540
-    assert StateLayout.uniform(22, 256, 256, GGML_TYPE_Q8_0, GGML_TYPE_Q8_0).bytes_per_token == 12 + 22 * 2 * (256 // 32 * 34)
+    assert CellFormat.uniform(22, 256, 256).bytes_per_token == 12 + 22 * (512 + 512) == 22540
+    assert CellFormat.uniform(22, 256, 256, GGML_TYPE_Q8_0, GGML_TYPE_Q8_0).bytes_per_token == 12 + 22 * 2 * (256 // 32 * 34)
     with pytest.raises(ValueError):
-        StateLayout.uniform(1, 100, 128, GGML_TYPE_Q8_0, GGML_TYPE_F16)
+        CellFormat.uniform(1, 100, 128, GGML_TYPE_Q8_0, GGML_TYPE_F16)
 
 
 @settings(max_examples=60, deadline=None, database=None)
@@ -250,7 +250,7 @@ def test_positions_must_be_exactly_0_to_n(positions: list[int]) -> None:
 
 
 def test_quantized_v_cannot_be_transposed() -> None:
-    q8 = (LayerLayout(GGML_TYPE_Q8_0, 34, GGML_TYPE_Q8_0, 34),)
+    q8 = (LayerFormat(GGML_TYPE_Q8_0, 34, GGML_TYPE_Q8_0, 34),)
     payloads = cut_state(_blob(Cells(list(range(8)), q8, ext=False), v_trans=False), 4)
     assert join_state(payloads, v_trans=False)
     with pytest.raises(StateFormatError, match="flash attention"):

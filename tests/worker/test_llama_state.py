@@ -28,7 +28,7 @@ from worker.kvstate import StateFormatError, describe_state
 from worker.llama_state import (
     StateRestoreError,
     cache_type_id,
-    kv_layout,
+    context_cache,
     open_llama,
     read_seq_state,
     restore_seq_state,
@@ -306,7 +306,7 @@ def test_restore_accepts_any_buffer(models: Models, no_fa: llama_cpp.Llama) -> N
 def test_kv_layout_predicts_the_state(models: Models, cache: str, fa: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LLAMA_ATTN_ROT_DISABLE", raising=False)
     llm = models.fresh(cache, fa)
-    layout = kv_layout(llm)
+    layout = context_cache(llm)
     assert (layout.type_k, layout.type_v, layout.flash_attn, layout.v_trans) == (
         cache_type_id(cache),
         cache_type_id(cache),
@@ -329,7 +329,7 @@ def test_attention_rotation_changes_a_quantized_cache(tiny_model: Path, monkeypa
         llm = open_llama(tiny_model, flash_attn=True, type_k="q8_0", n_threads=2)
         llm.eval(PROMPT[:32])
         states.append(read_seq_state(llm))
-        rot.append(kv_layout(llm).attn_rot_k)
+        rot.append(context_cache(llm).attn_rot_k)
         llm.close()
     assert rot == [True, False]
     assert len(states[0]) == len(states[1]) and states[0] != states[1]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from worker.namespace import chain_layout, namespace_for
+from worker.namespace import cache_format, namespace_for
 from worker.settings import WorkerSettings
 
 
@@ -22,13 +22,13 @@ def test_attention_rotation_switch_is_read_like_llama_cpp(monkeypatch: pytest.Mo
     layouts = {}
     for value in ["", "0", "abc", "1", "2"]:
         monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", value)
-        layouts[value] = chain_layout("q8_0", "q8_0", True)
+        layouts[value] = cache_format("q8_0", "q8_0", True)
     monkeypatch.delenv("LLAMA_ATTN_ROT_DISABLE")
-    unset = chain_layout("q8_0", "q8_0", True)
+    unset = cache_format("q8_0", "q8_0", True)
     assert layouts[""] == layouts["0"] == layouts["abc"] == unset
     assert layouts["1"] == layouts["2"] != unset
 
 
 def test_layout_names_the_payload_format_and_llama_cpp_release() -> None:
-    canonical = chain_layout("f16", "f16", False).canonical()
+    canonical = cache_format("f16", "f16", False).canonical()
     assert "payload=" in canonical and "llama_cpp=0.3.36" in canonical

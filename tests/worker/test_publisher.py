@@ -6,11 +6,11 @@ import threading
 
 from prometheus_client import REGISTRY
 
-from store.chain import KVLayout, Namespace
+from store.chain import CacheFormat, Namespace
 from store.store import Store
 from worker.publisher import Publisher
 
-NS = Namespace("fp", KVLayout.of("f16", "f16", False), chunk_size=4)
+NS = Namespace("fp", CacheFormat.of("f16", "f16", False), chunk_size=4)
 LABELS = {"model": "test-publisher", "layout": "f16"}
 
 

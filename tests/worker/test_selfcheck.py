@@ -4,14 +4,14 @@ from dataclasses import replace
 
 import pytest
 
-from worker.llama_state import kv_layout, open_llama
+from worker.llama_state import context_cache, open_llama
 from worker.selfcheck import check_restore
 
 
 @pytest.mark.parametrize("flash_attn,cache", [(False, "f16"), (True, "f16"), (True, "q8_0")], ids=["f16", "f16-flash", "q8_0-flash"])
 def test_round_trip_reproduces_cold_logits(tiny_model, flash_attn: bool, cache: str) -> None:
     llm = open_llama(tiny_model, flash_attn=flash_attn, type_k=cache, n_ctx=256, n_threads=2)
-    check = check_restore(llm, kv_layout(llm))
+    check = check_restore(llm, context_cache(llm))
     assert check.ok, check.detail
     assert llm.n_tokens == 0
 
@@ -21,12 +21,12 @@ def test_round_trip_reproduces_cold_logits(tiny_model, flash_attn: bool, cache: 
 def test_layouts_whose_kernels_ignore_batch_size_are_exact(tiny_model, flash_attn: bool, cache: str) -> None:
     """CPU-dependent by nature: it states that llama.cpp gives these layouts the same bits for any batch of 2+."""
     llm = open_llama(tiny_model, flash_attn=flash_attn, type_k=cache, n_ctx=256, n_threads=2)
-    check = check_restore(llm, kv_layout(llm))
+    check = check_restore(llm, context_cache(llm))
     assert check.exact, check.detail
 
 
 def test_a_rebuild_for_the_wrong_v_layout_fails_the_check(tiny_model) -> None:
     llm = open_llama(tiny_model, flash_attn=True, n_ctx=256, n_threads=2)
-    wrong = replace(kv_layout(llm), flash_attn=False)
+    wrong = replace(context_cache(llm), flash_attn=False)
     check = check_restore(llm, wrong)
     assert not check.ok and not check.exact and "StateRestoreError" in check.detail

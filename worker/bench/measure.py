@@ -27,7 +27,7 @@ from store.chain import Namespace
 from store.errors import StoreError
 from store.index import RedisIndex
 from store.settings import StoreSettings
-from worker.llama_state import KvLayout
+from worker.llama_state import ContextCache
 
 RAW_PREFIX = "bench-raw/"
 
@@ -76,7 +76,7 @@ def stored_bytes(index: RedisIndex, ns: Namespace) -> list[int]:
     return [e.size for e in index.entries() if e.namespace == ns.key]
 
 
-def bytes_per_token(blob_sizes: Sequence[int], chunk_size: int, kv: KvLayout) -> dict[str, object]:
+def bytes_per_token(blob_sizes: Sequence[int], chunk_size: int, kv: ContextCache) -> dict[str, object]:
     """Stored bytes per token against the K and V rows alone (what a perfect store would keep)."""
     layout = kv.state_layout
     theoretical = layout.bytes_per_token - layout.cell_meta_bytes

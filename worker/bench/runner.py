@@ -45,7 +45,7 @@ from worker.bench.workloads import (
     TokenSource,
     build,
 )
-from worker.llama_state import kv_layout
+from worker.llama_state import context_cache
 from worker.namespace import namespace_for
 from worker.spawn import WorkerProcess
 
@@ -228,7 +228,7 @@ class ModelSession:
             ns = namespace_for(self.client.settings, self.client.fingerprint, "cross:shared")
             sizes = measure.stored_bytes(self.client.index, ns)
             first = next(r for w in self.prep.workloads if w.key == "shared" for r in w.measured)
-            obj = int(statistics.mean(sizes)) if sizes else kv_layout(self.prep.model.llm).bytes_per_token * c
+            obj = int(statistics.mean(sizes)) if sizes else context_cache(self.prep.model.llm).bytes_per_token * c
             self.probe = measure.RawGetProbe(self.settings, obj, max(1, floor_keep(first, c) // c), self.settings.io_threads)
         bw = self.probe.measure()
         self.progress.advance(
@@ -283,7 +283,7 @@ class ModelSession:
 
     def _extras(self) -> dict[str, object]:
         c, client, prep = self.prof.chunk_size, self.client, self.prep
-        kv = kv_layout(prep.model.llm)
+        kv = context_cache(prep.model.llm)
         ns_shared = namespace_for(client.settings, client.fingerprint, "cross:shared")
         hashing = measure.hashing_and_lookup(self.services.conn, namespace_for(client.settings, client.fingerprint, "hash"))
         self.progress.note(f"{self.label}: hashing + lookup of 32k tokens {hashing['total_p50_s'] * 1e3:.2f} ms (p50)")  # type: ignore[operator]
