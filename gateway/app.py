@@ -190,7 +190,7 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
     _add_health_routes(app, gw, settings)
     app.include_router(tokens_router)
     if settings.batch_api:
-        app.include_router(batch_router(settings, Files(open_backend(settings)), Batches(gw.redis), tenant_of))
+        app.include_router(batch_router(settings, Files(lambda: open_backend(settings)), Batches(gw.redis), tenant_of))
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, paths={"/v1/files": settings.max_file_bytes})
     app.add_middleware(CountRequests)
     return app
@@ -245,7 +245,7 @@ def _batch_service(settings: GatewaySettings, gw: Gateway) -> BatchService | Non
     conn = redis.Redis.from_url(
         settings.redis_url, socket_connect_timeout=settings.connect_timeout_s, socket_timeout=settings.read_timeout_s + 1
     )
-    service = BatchService(settings, gw.preparer, Files(open_backend(settings)), conn)
+    service = BatchService(settings, gw.preparer, Files(lambda: open_backend(settings)), conn)
     service.start()
     return service
 
