@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -296,6 +296,27 @@ def evaluate_prompt(llm: llama_cpp.Llama, tokens: Sequence[int], start: int) -> 
     for size in batch_sizes(len(tokens) - start, n_batch):
         llm.eval(tokens[pos : pos + size])
         pos += size
+
+
+def evaluate_all_logits(llm: llama_cpp.Llama, tokens: Sequence[int]) -> Iterator[tuple[int, np.ndarray]]:
+    """Decode ``tokens`` from an empty context with the logits of every position; yields (first position, logits) per batch.
+
+    The logits are a view into llama.cpp's buffer, valid until the next batch is decoded.
+    """
+    n_vocab = llm.n_vocab()
+    n_batch = min(llm.n_batch, int(llm.context_params.n_ubatch))
+    llm.n_tokens = 0
+    llm._ctx.kv_cache_seq_rm(-1, 0, -1)  # as Llama.eval does before it decodes
+    pos = 0
+    for size in batch_sizes(len(tokens), n_batch):
+        batch = list(tokens[pos : pos + size])
+        llm._batch.set_batch(batch=batch, n_past=pos, logits_all=True)
+        llm._ctx.decode(llm._batch)
+        yield pos, np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(size, n_vocab))
+        llm.input_ids[pos : pos + size] = batch
+        llm.n_tokens = pos + size
+        pos += size
+    llm._requires_eval = False
 
 
 def last_logits(llm: llama_cpp.Llama) -> np.ndarray:

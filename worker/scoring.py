@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import llama_cpp
 import numpy as np
 
-from worker.llama_state import batch_sizes, evaluate_prompt
+from worker.llama_state import evaluate_all_logits, evaluate_prompt
 from worker.protocol import TokenEvent
 
 ROWS = 64
@@ -27,24 +27,11 @@ ROWS = 64
 
 def score_prompt(llm: llama_cpp.Llama, tokens: Sequence[int], top_n: int) -> list[TokenEvent]:
     """Evaluate ``tokens`` from an empty context; each token's logprob under the ones before it (the first has none)."""
-    n_vocab = llm.n_vocab()
-    n_batch = min(llm.n_batch, int(llm.context_params.n_ubatch))
-    llm.n_tokens = 0
-    llm._ctx.kv_cache_seq_rm(-1, 0, -1)  # as Llama.eval does before it decodes
     out = [_event(llm, tokens[0], None, None)]
-    pos = 0
-    for size in batch_sizes(len(tokens), n_batch):
-        batch = list(tokens[pos : pos + size])
-        llm._batch.set_batch(batch=batch, n_past=pos, logits_all=True)
-        llm._ctx.decode(llm._batch)
-        logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(size, n_vocab))
-        nxt = list(tokens[pos + 1 : pos + size + 1])
+    for pos, logits in evaluate_all_logits(llm, tokens):
+        nxt = list(tokens[pos + 1 : pos + len(logits) + 1])
         for lo in range(0, len(nxt), ROWS):
             out += _rows(llm, logits[lo : lo + ROWS], nxt[lo : lo + ROWS], top_n)
-        llm.input_ids[pos : pos + size] = batch
-        llm.n_tokens = pos + size
-        pos += size
-    llm._requires_eval = False
     evaluate_prompt(llm, tokens, max(0, len(tokens) - 2))
     return out
 
