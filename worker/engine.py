@@ -62,8 +62,6 @@ from worker.settings import WorkerSettings
 
 log = logging.getLogger("kvpool.worker")
 
-SETTLE_IDLE_S = 0.05
-"""Idle time after a job before its completion is settled: a client sending back to back never waits for it."""
 SETTLE_BATCH = 32
 """Tokens per settle batch: the longest a job that arrives meanwhile waits."""
 
@@ -268,7 +266,7 @@ class Engine(PrefixFinder):
         evaluation of the next turn's prompt would hold. Evaluated again in prompt batches,
         they serve the next turn of the chat exactly, from this context and, published,
         from any worker. It is idle-time work: it starts only after the worker has had no
-        job waiting for `SETTLE_IDLE_S`, and it stops between batches as soon as one
+        job waiting for ``settle_idle_s``, and it stops between batches as soon as one
         arrives (that job evaluates whatever it needs itself).
         """
         pending, self._pending = self._pending, None
@@ -276,7 +274,7 @@ class Engine(PrefixFinder):
             return
         ns, tokens, generated = pending
         held = tokens + generated
-        if not generated or len(held) > self.settings.n_ctx or not _idle_for(SETTLE_IDLE_S, job_waiting):
+        if not generated or len(held) > self.settings.n_ctx or not _idle_for(self.settings.settle_idle_s, job_waiting):
             return
         pos = min(len(tokens), len(held) - 2)
         try:

@@ -41,6 +41,12 @@ class WorkerSettings(StoreSettings):
     settle_completions: bool = Field(
         True, description="After each answer, evaluate the completion as prompt so the next chat turn is served from cache, exactly."
     )
+    settle_idle_s: float = Field(
+        0.25,
+        ge=0,
+        le=60,
+        description="Idle time after a job before its completion is settled (a client sending back to back never waits for it).",
+    )
     coalesce: bool = Field(
         True,
         description="Lease new prefixes while evaluating them, and wait for a prefix another worker is evaluating instead of evaluating it too.",

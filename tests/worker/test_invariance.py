@@ -75,7 +75,7 @@ class Runner:
 
 def _settings(redis_url: str, s3: S3Server, bucket: str, **kw: object) -> WorkerSettings:
     base = s3_settings(s3.endpoint_url, bucket, redis_url)
-    fields = {**base.model_dump(), "chunk_size": CHUNK, "n_ctx": 2048, "n_batch": 512, "n_threads": 2, **kw}
+    fields = {**base.model_dump(), "chunk_size": CHUNK, "n_ctx": 2048, "n_batch": 512, "n_threads": 2, "settle_idle_s": 0.01, **kw}
     return WorkerSettings(**fields)
 
 
@@ -157,30 +157,26 @@ def test_the_next_turn_resumes_after_the_completion_with_the_same_bits(runners: 
         assert np.array_equal(answer.logits, cold.logits) and answer.tokens == cold.tokens
 
 
-def test_a_tail_serves_every_prompt_that_shares_its_first_tokens(runners: dict[str, Runner], document: list[int]) -> None:
-    """A document asked two questions: the second, on another worker, resumes where the two prompts part."""
+@pytest.mark.parametrize(
+    ("doc", "first", "second"),
+    [((1100, 1500), (40, 60), (80, 95)), ((600, 1000), (100, 250), (300, 330))],
+    ids=["parts-inside-a-tail", "parts-inside-a-full-chunk"],
+)
+def test_a_second_question_on_another_worker_resumes_where_the_prompts_part(
+    runners: dict[str, Runner], document: list[int], doc: tuple[int, int], first: tuple[int, int], second: tuple[int, int]
+) -> None:
+    """A document asked two questions. Where the first prompt's tail, or its last full chunk (which runs past the
+    document's end: 400 tokens, chunks of 256), holds the document's end, it serves the second question up to the
+    token where the two prompts part."""
     reuse, restore = runners["reuse"], runners["restore"]
-    doc = document[1100:1500]
-    reuse.ask(doc + document[40:60])
+    text, q1, q2 = document[slice(*doc)], document[slice(*first)], document[slice(*second)]
+    reuse.ask(text + q1)
     restore.engine.forget_context()
-    second = restore.ask(doc + document[80:95])
-    assert second.cached_store == len(doc) + _shared(document[40:60], document[80:95])
+    answer = restore.ask(text + q2)
+    assert answer.cached_store == len(text) + _shared(q1, q2)
     runners["cold"].engine.forget_context()
-    cold = runners["cold"].ask(doc + document[80:95])
-    assert np.array_equal(second.logits, cold.logits) and second.tokens == cold.tokens
-
-
-def test_a_prompt_that_parts_inside_a_stored_full_chunk_resumes_where_they_part(runners: dict[str, Runner], document: list[int]) -> None:
-    """The first question's prompt has a full chunk that runs past the document's end: it serves the second question too."""
-    reuse, restore = runners["reuse"], runners["restore"]
-    doc = document[600:1000]  # 400 tokens: chunk 1 of each prompt spans the document's end
-    reuse.ask(doc + document[100:250])
-    restore.engine.forget_context()
-    second = restore.ask(doc + document[300:330])
-    assert second.cached_store == len(doc) + _shared(document[100:250], document[300:330])
-    runners["cold"].engine.forget_context()
-    cold = runners["cold"].ask(doc + document[300:330])
-    assert np.array_equal(second.logits, cold.logits) and second.tokens == cold.tokens
+    cold = runners["cold"].ask(text + q2)
+    assert np.array_equal(answer.logits, cold.logits) and answer.tokens == cold.tokens
 
 
 def _shared(a: list[int], b: list[int]) -> int:
