@@ -60,7 +60,7 @@ def test_quick_run_writes_every_output_and_field(quick_results: tuple[Path, str]
     for row in run["summary"]:
         assert {"ttft_p50_s", "ttft_p95_s", "total_s", "evaluated_tokens", "reused_tokens", "speedup_vs_cold"} <= row.keys()
         assert row["ttft_p50_s"] > 0 and row["evaluated_tokens"] + row["reused_tokens"] == row["prompt_tokens"]
-    assert len(run["targets"]) == 7 and all({"target", "goal", "measured", "met"} <= t.keys() for t in run["targets"])
+    assert len(run["targets"]) == 9 and all({"target", "goal", "measured", "met"} <= t.keys() for t in run["targets"])
     assert {"floor_s", "ratio", "raw_get_bytes_per_s", "kv_bytes", "suffix_eval_s"} <= run["floor"].keys()
 
 
