@@ -35,9 +35,9 @@ def test_a_default_gateway_serves_long_prompts_on_workers_of_two_layouts(start_w
     prompts = [prompt_text(40 + i, 12 * POOL_CHUNK) for i in range(6)]
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0), prompts))
-    assert all(a.usage.prompt_tokens >= 8 * POOL_CHUNK for a in answers)
-    assert {a.model_extra["kvpool"]["worker"] for a in answers} == {"f16", "q8"}, "both layouts served"
+    assert all(a.usage.prompt_tokens >= 8 * POOL_CHUNK and a.choices[0].text for a in answers), "every long prompt answered"
 
+    # Each layout in turn, through its worker's own queue: long prompts served, restored from its own blobs.
     pool_client = PoolClient(redis.Redis.from_url(redis_url), tiny_model)
     tokens = pool_client.tokens(prompt_text(60, 10 * POOL_CHUNK))
     for worker, env in (("f16", {}), ("q8", Q8)):
