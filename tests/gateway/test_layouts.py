@@ -15,7 +15,7 @@ import httpx
 import redis
 
 from store.index import RedisIndex
-from tests.conftest import POOL_CHUNK, prompt_text
+from tests.conftest import POOL_CHUNK, prompt_text, wait_settled
 from tests.gateway.conftest import MODEL, openai_client
 from tests.worker.conftest import PoolClient
 from worker.namespace import namespace_for
@@ -43,6 +43,7 @@ def test_a_default_gateway_serves_long_prompts_on_workers_of_two_layouts(start_w
     for worker, env in (("f16", {}), ("q8", Q8)):
         pool_client.run([5, 6, 7], worker=worker, tenant="elsewhere")  # the worker empties its context
         pool_client.run(tokens, worker=worker)
+        wait_settled(redis_url)  # its chunks and tail are published in the background
         pool_client.run([5, 6, 7], worker=worker, tenant="elsewhere")
         again = pool_client.run(tokens + [9, 9, 9], worker=worker)
         assert again.usage.cached_from_store >= len(tokens) - 2, f"{worker} restored from its own layout's blobs"
