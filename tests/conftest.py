@@ -12,16 +12,14 @@ import numpy as np
 import pytest
 import redis
 
+from gateway.cli.procs import S3_ACCESS_KEY, S3_SECRET_KEY, RedisServer, S3Server, WorkerProcess
 from store.backend import BlobBackend
 from store.fs import FsBackend
 from store.index import RedisIndex
-from store.redis_server import RedisServer
 from store.s3 import S3Backend
 from store.settings import StoreSettings
 from store.store import Store
-from tests.services import S3_ACCESS_KEY, S3_SECRET_KEY, S3Server
 from worker.llama_state import evaluate_prompt
-from worker.spawn import WorkerProcess
 
 
 @pytest.fixture(autouse=True)
@@ -144,10 +142,9 @@ def pool_env(redis_url: str, store_settings_s3: StoreSettings, tiny_model: Path)
 def start_worker(pool_env: dict[str, str], redis_url: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     """Starts real ``kvpool worker`` processes; all are stopped at the end of the test."""
     started: list[WorkerProcess] = []
-    conn = redis.Redis.from_url(redis_url)
 
     def start(name: str, **env: str) -> WorkerProcess:
-        w = WorkerProcess(name, {**pool_env, **env}, tmp_path / f"{name}.log").start(conn)
+        w = WorkerProcess(name, {**pool_env, **env}, tmp_path / f"{name}.log").start()
         started.append(w)
         return w
 

@@ -31,16 +31,13 @@ import llama_cpp
 import pytest
 import redis
 
+from gateway.cli.procs import GatewayProcess, RedisServer, S3Server, WorkerProcess, free_port
 from gateway.prepare import Preparer
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenants
-from gateway.up import GatewayProcess
-from store.redis_server import RedisServer, free_port
 from tests.conftest import env_for_pool, s3_settings
-from tests.services import S3Server
 from worker.llama_state import evaluate_prompt, is_end_of_generation
-from worker.spawn import WorkerProcess
 
 CLIENTS = 4
 MAX_TOKENS = 12
@@ -80,7 +77,7 @@ class Pool:
 
     def start_worker(self, name: str) -> None:
         log = self.tmp / f"{name}.log"
-        self.workers[name] = WorkerProcess(name, self.env, log).start(self.conn())
+        self.workers[name] = WorkerProcess(name, self.env, log).start()
 
     def start_gateway(self) -> None:
         self.gateway = GatewayProcess(self.env, self.port, self.tmp / "gateway.log").start()

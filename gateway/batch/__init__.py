@@ -1,4 +1,4 @@
-"""``kvpool batch``: answer a file of OpenAI batch requests over the worker pool, prefix-aware and resumable.
+"""Batches of OpenAI requests (``kvpool batch``, in `gateway.cli.batch`): answer a file of OpenAI batch requests over the worker pool, prefix-aware and resumable.
 
 Input lines are OpenAI batch requests (``custom_id``, ``method``, ``url``, ``body``);
 output lines are OpenAI batch results, appended, flushed and fsynced one by one as
@@ -22,7 +22,6 @@ Bodies are checked and prepared exactly as the HTTP API does it; ``stream`` is i
 (a result is always a whole response).
 """
 
-from gateway.batch.cli import batch_command, run_batch
 from gateway.batch.lines import Line, Parsed, Rejected, parse_all, read_lines
 from gateway.batch.plan import Group, Request, plan
 from gateway.batch.results import ResultFile, Tally
@@ -35,9 +34,7 @@ __all__ = [
     "Request",
     "ResultFile",
     "Tally",
-    "batch_command",
     "parse_all",
     "plan",
     "read_lines",
-    "run_batch",
 ]

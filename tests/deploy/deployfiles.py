@@ -1,4 +1,4 @@
-"""Readers for the files under deploy/, shared by the deploy tests and the .env.example generator.
+"""Readers for the files under deploy/, for the deploy tests (those the .env.example generator needs come from `gateway.cli.envfile`).
 
 Nothing here runs Docker: the files are parsed and checked statically, against the code
 (settings classes, metric registry, CLI) and against the tools' own validators
@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from gateway.cli import envfile
+
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
@@ -28,78 +30,23 @@ PROMETHEUS_FILE = DEPLOY / "prometheus.yml"
 GRAFANA = DEPLOY / "grafana"
 DASHBOARDS = GRAFANA / "dashboards"
 
-ENV_PREFIX = "KVPOOL_"
+ENV_PREFIX = envfile.ENV_PREFIX
+# What the .env.example generator reads, shared with these tests.
+Instruction, Reference, Setting = envfile.Instruction, envfile.Reference, envfile.Setting
+environment, parse_dockerfile, references, render_env_value = (
+    envfile.environment,
+    envfile.parse_dockerfile,
+    envfile.references,
+    envfile.render_env_value,
+)
+settings = envfile.settings
+_INTERPOLATION = envfile._INTERPOLATION
 
 
 # --------------------------------------------------------------------------- settings
 
 
-@dataclass(frozen=True)
-class Setting:
-    env: str  # KVPOOL_...
-    description: str
-    default: Any  # the Python default; None when unset
-    section: str  # the class that declares it, or "command" for the CLI's own variables
-
-
-@cache
-def settings() -> dict[str, Setting]:
-    """Every kvpool environment variable: the settings fields and the ``kvpool`` command's own options."""
-    from pydantic_core import PydanticUndefined
-
-    from gateway.cli import main
-    from gateway.settings import GatewaySettings
-    from store.settings import StoreSettings
-    from worker.settings import WorkerSettings
-
-    out: dict[str, Setting] = {}
-    seen: set[str] = set()
-    for cls in (StoreSettings, WorkerSettings, GatewaySettings):
-        prefix = cls.model_config.get("env_prefix", "")
-        assert prefix == ENV_PREFIX, f"{cls.__name__} reads {prefix!r}, not {ENV_PREFIX!r}"
-        for name, field in cls.model_fields.items():
-            if name in seen:
-                continue
-            seen.add(name)
-            default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
-            if default is PydanticUndefined:
-                default = None
-            out[f"{prefix}{name.upper()}"] = Setting(f"{prefix}{name.upper()}", field.description or "", default, cls.__name__)
-    for param in main.params:
-        envvars = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or [])
-        for env in envvars:
-            if env.startswith(ENV_PREFIX):
-                default = param.default
-                if getattr(param, "is_flag", False) and not isinstance(default, bool):
-                    default = False
-                out[env] = Setting(env, getattr(param, "help", "") or "", default, "command")
-    return out
-
-
-def render_env_value(value: Any) -> str:
-    """A default as it would be written in an env file; '' for unset."""
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (dict, list)):
-        return json.dumps(value, separators=(",", ":"))
-    return str(value)
-
-
 # --------------------------------------------------------------------------- compose
-
-# ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?err}, ${VAR?err}, ${VAR:+alt}, ${VAR+alt}, $VAR; $$ is a literal $.
-_INTERPOLATION = re.compile(
-    r"\$(?:(?P<escaped>\$)|\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}|(?P<named>[A-Za-z_][A-Za-z0-9_]*))"
-)
-
-
-@dataclass(frozen=True)
-class Reference:
-    name: str
-    op: str | None  # ":-", "-", ":?", ... or None for ${VAR} / $VAR
-    arg: str | None
 
 
 def compose_text() -> str:
@@ -108,23 +55,6 @@ def compose_text() -> str:
 
 def compose_raw() -> dict[str, Any]:
     return yaml.safe_load(compose_text())
-
-
-def references(obj: Any) -> list[Reference]:
-    """The variables interpolated in the string values of a parsed compose file (``$$`` escapes excluded)."""
-    if isinstance(obj, dict):
-        return [r for v in obj.values() for r in references(v)]
-    if isinstance(obj, list):
-        return [r for v in obj for r in references(v)]
-    if not isinstance(obj, str):
-        return []
-    out = []
-    for m in _INTERPOLATION.finditer(obj):
-        if m.group("escaped"):
-            continue
-        name = m.group("braced") or m.group("named")
-        out.append(Reference(name, m.group("op"), m.group("arg")))
-    return out
 
 
 def interpolate_str(value: str, env: dict[str, str]) -> str:
@@ -162,26 +92,13 @@ def interpolate(obj: Any, env: dict[str, str]) -> Any:
     return obj
 
 
+def compose_defaults() -> dict[str, str]:
+    return envfile.compose_defaults(compose_raw())
+
+
 def compose(env: dict[str, str] | None = None) -> dict[str, Any]:
     """The compose file as Compose sees it after interpolation with ``env`` (default: nothing set)."""
     return interpolate(compose_raw(), env or {})
-
-
-def environment(service: dict[str, Any]) -> dict[str, str]:
-    env = service.get("environment") or {}
-    if isinstance(env, list):
-        env = dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
-    return {k: "" if v is None else str(v) for k, v in env.items()}
-
-
-def compose_defaults() -> dict[str, str]:
-    """``${VAR:-default}`` / ``${VAR-default}`` defaults in the compose file; a variable must have one default only."""
-    out: dict[str, str] = {}
-    for ref in references(compose_raw()):
-        if ref.op in (":-", "-"):
-            assert out.get(ref.name, ref.arg) == ref.arg, f"{ref.name} has two defaults: {out[ref.name]!r} and {ref.arg!r}"
-            out[ref.name] = ref.arg or ""
-    return out
 
 
 def parse_port(spec: str | int | dict[str, Any]) -> tuple[str | None, str | None, str]:
@@ -249,43 +166,6 @@ def parse_env_example(text: str) -> list[EnvEntry]:
 
 
 # --------------------------------------------------------------------------- Dockerfile
-
-
-@dataclass(frozen=True)
-class Instruction:
-    line: int
-    cmd: str  # upper case
-    args: str
-    stage: int  # index of the FROM this belongs to
-
-
-def parse_dockerfile(text: str) -> list[Instruction]:
-    """Instructions with continuation lines joined and comments dropped (no heredocs)."""
-    out: list[Instruction] = []
-    stage = -1
-    buf: list[str] = []
-    start = 0
-    for n, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not buf and (not line or line.startswith("#")):
-            continue
-        if buf and line.startswith("#"):
-            continue  # a comment inside a continued instruction
-        if not buf:
-            start = n
-        if line.endswith("\\"):
-            buf.append(line[:-1].strip())
-            continue
-        buf.append(line)
-        joined = " ".join(p for p in buf if p)
-        buf = []
-        cmd, _, args = joined.partition(" ")
-        cmd = cmd.upper()
-        if cmd == "FROM":
-            stage += 1
-        out.append(Instruction(start, cmd, args.strip(), stage))
-    assert not buf, "the Dockerfile ends inside a continued line"
-    return out
 
 
 def exec_form(args: str) -> list[str] | None:

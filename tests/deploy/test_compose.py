@@ -103,14 +103,14 @@ def test_every_kvpool_variable_is_a_setting() -> None:
 @pytest.mark.parametrize("name", ["gateway", "worker"])
 def test_service_environment_is_valid_settings(name: str, services: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """The environment each kvpool container gets (image ENV, then compose) passes the settings' own validation."""
+    from gateway.cli.envfile import image_env
     from gateway.settings import GatewaySettings
-    from tests.deploy.envexample import image_env
     from worker.settings import WorkerSettings
 
     for key in list(os.environ):
         if key.startswith(df.ENV_PREFIX):
             monkeypatch.delenv(key)
-    env = {**image_env(), **df.environment(services[name])}
+    env = {**image_env(df.DEPLOY), **df.environment(services[name])}
     for key, value in env.items():
         if key.startswith(df.ENV_PREFIX):
             monkeypatch.setenv(key, value)

@@ -169,9 +169,9 @@ def test_entrypoint_is_kvpool(instructions: list[df.Instruction]) -> None:
 
 
 def test_image_environment_is_kvpool_settings(instructions: list[df.Instruction]) -> None:
-    from tests.deploy.envexample import image_env
+    from gateway.cli.envfile import image_env
 
-    env = image_env()
+    env = image_env(df.DEPLOY)
     kv = {k for k in env if k.startswith(df.ENV_PREFIX)}
     assert kv <= set(df.settings()), f"not kvpool settings: {sorted(kv - set(df.settings()))}"
     home = env["KVPOOL_STATE_DIR"]

@@ -8,10 +8,10 @@ import os
 import pytest
 from pydantic import ValidationError
 
+from gateway.cli.envfile import shown_default, stack_value
 from tests.deploy import deployfiles as df
-from tests.deploy.envexample import shown_default, stack_value
 
-REGENERATE = "regenerate it: .kvpool/venv/bin/python -m tests.deploy.envexample > deploy/.env.example"
+REGENERATE = "regenerate it: kvpool docs"
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_descriptions_and_defaults(entries: dict[str, df.EnvEntry]) -> None:
 def test_values_are_the_stack_values(entries: dict[str, df.EnvEntry]) -> None:
     """Each line shows what the stack runs with: docker-compose.yml's value, else the image's, else kvpool's default."""
     for env in df.settings():
-        expected, _ = stack_value(env)
+        expected, _ = stack_value(env, df.DEPLOY)
         assert entries[env].value == expected, f"{env}: .env.example shows {entries[env].value!r}, the stack uses {expected!r}"
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from gateway.cli.envfile import image_env
 from tests.deploy import deployfiles as df
 from tests.deploy import kube
 
@@ -179,7 +180,7 @@ def test_an_init_container_fetches_the_model_from_the_bucket_with_its_checksum(o
     config = kube.kvpool_config(objects)
     assert config["KVPOOL_MODEL"].startswith("s3://")
     assert re.fullmatch(r"[0-9a-f]{64}", config["KVPOOL_MODEL_SHA256"])
-    state_dir = _image_env()["KVPOOL_STATE_DIR"]
+    state_dir = image_env(df.DEPLOY)["KVPOOL_STATE_DIR"]
     for name, role in (("kvpool-gateway", "gateway"), ("kvpool-worker", "worker")):
         workload = kube.find(objects, "Deployment", name)
         init = kube.container(workload, "model")
@@ -254,17 +255,6 @@ def test_prod_brings_no_redis_and_no_s3_of_its_own(name: str) -> None:
     assert not kube.of_kind(objects, "StatefulSet") and not kube.of_kind(objects, "Job")
     config = kube.kvpool_config(objects)
     assert "kvpool-minio" not in config.get("KVPOOL_S3_ENDPOINT_URL", "")
-
-
-def _image_env() -> dict[str, str]:
-    """ENV of the Dockerfile's final stage."""
-    instructions = df.parse_dockerfile(df.DOCKERFILE.read_text())
-    last = max(i.stage for i in instructions)
-    env: dict[str, str] = {}
-    for ins in instructions:
-        if ins.cmd == "ENV" and ins.stage == last:
-            env.update(dict(re.findall(r"(\w+)=(\S+)", ins.args)))
-    return env
 
 
 # --------------------------------------------------------------------------- overlays

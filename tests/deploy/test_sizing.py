@@ -9,8 +9,8 @@ from pathlib import Path
 
 import redis
 
+from gateway.cli.procs import RedisServer
 from store.index import RedisIndex
-from store.redis_server import RedisServer
 from tests.deploy import deployfiles as df
 
 ENTRIES = 10_000

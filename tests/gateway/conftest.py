@@ -8,8 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from gateway.up import GatewayProcess
-from store.redis_server import free_port
+from gateway.cli.procs import GatewayProcess, free_port
 
 MODEL = "kvpool-tiny-s0"
 

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from gateway.docs import render
+from gateway.cli.docs import render
 from gateway.settings import GatewaySettings
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -13,7 +13,7 @@ from pathlib import Path
 import boto3
 import openai
 
-from store.redis_server import free_port
+from gateway.cli.procs import free_port
 from tests.conftest import s3_settings
 from tests.terminal import Terminal
 

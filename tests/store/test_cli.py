@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gateway.cli.procs import free_port
+from gateway.cli.store import parse_size
 from store.blob import BlobName
 from store.chain import CacheFormat, Namespace
-from store.cli import parse_size
 from store.fs import FsBackend
 from store.index import RedisIndex
-from store.redis_server import free_port
 from store.store import Store
 
 NS = Namespace("fp", CacheFormat(), chunk_size=4)

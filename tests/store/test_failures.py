@@ -6,14 +6,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gateway.cli.procs import RedisServer, S3Server, free_port
 from store.chain import CacheFormat, Namespace
 from store.errors import StoreUnavailable
 from store.index import RedisIndex
-from store.redis_server import RedisServer, free_port
 from store.s3 import S3Backend
 from store.store import Store
 from tests.conftest import s3_settings
-from tests.services import S3Server
 
 NS = Namespace("fp", CacheFormat(), chunk_size=4)
 TOKENS = np.arange(32)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import redis
 
+from gateway.cli.bench.index_scale import CHAIN, NAMESPACE, fill, operations, server_usec
 from store.index import RedisIndex
 from worker.advert import advertise
-from worker.bench.index_scale import CHAIN, NAMESPACE, fill, operations, server_usec
 
 
 def _request(conn: redis.Redis, index: RedisIndex):  # type: ignore[no-untyped-def]

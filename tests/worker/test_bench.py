@@ -12,10 +12,10 @@ import llama_cpp
 import pytest
 from click.testing import CliRunner
 
-from worker.bench.cli import bench_command
-from worker.bench.plan import PROFILES, cold_subset
-from worker.bench.systems import Sample
-from worker.bench.workloads import TokenSource, build
+from gateway.cli.bench.cli import bench_command
+from gateway.cli.bench.plan import PROFILES, cold_subset
+from gateway.cli.bench.systems import Sample
+from gateway.cli.bench.workloads import TokenSource, build
 
 REPO = Path(__file__).resolve().parents[2]
 

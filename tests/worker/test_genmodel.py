@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from worker.cli import model_group
+from gateway.cli.worker import model_group
 from worker.genmodel import CHAT_TEMPLATE, SIZES, ensure_model, make_model
 from worker.vocab import SAMPLE_TEXT
 

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from store.redis_server import RedisServer, free_port
+from gateway.cli.procs import RedisServer, WorkerProcess, free_port
 from worker.health import Health, self_check_outcome
-from worker.spawn import WorkerProcess
 
 
 def get(port: int, path: str) -> tuple[int, str]:
@@ -84,7 +83,7 @@ def test_a_worker_that_loses_redis_stays_alive_and_turns_unready_until_it_is_bac
     server = RedisServer(tmp_path / "redis", port=redis_port).start()
     worker = WorkerProcess("h2", {**pool_env, "KVPOOL_REDIS_URL": url, "KVPOOL_METRICS_PORT": str(port)}, tmp_path / "h2.log")
     try:
-        worker.start(redis.Redis.from_url(url))
+        worker.start()
         assert get(port, "/readyz")[0] == 200
         server.stop()
         status, body = poll(port, "/readyz", lambda s, _: s == 503, worker)

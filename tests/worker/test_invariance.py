@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gateway.cli.procs import S3Server
 from store.store import Store
 from tests.conftest import s3_settings
-from tests.services import S3Server
 from worker.engine import Engine
 from worker.llama_state import batch_sizes, last_logits
 from worker.protocol import SamplingParams, TokenEvent, job_spec

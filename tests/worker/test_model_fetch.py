@@ -10,9 +10,9 @@ from pathlib import Path
 import boto3
 import pytest
 
+from gateway.cli.procs import S3Server
 from store.errors import StoreUnavailable
 from tests.conftest import s3_settings
-from tests.services import S3Server
 from worker.model_fetch import ModelChecksumError, fetch_model
 from worker.packaged import sha256_of
 
@@ -55,7 +55,7 @@ def test_missing_model_and_bad_url(s3_server: S3Server, redis_url: str, tmp_path
 
 
 def test_unreachable_endpoint_is_store_unavailable(redis_url: str, tmp_path: Path) -> None:
-    from store.redis_server import free_port
+    from gateway.cli.procs import free_port
 
     settings = s3_settings(f"http://127.0.0.1:{free_port()}", "models", redis_url, state_dir=tmp_path)
     with pytest.raises(StoreUnavailable):

@@ -12,12 +12,11 @@ import pytest
 import redis
 from rq import Queue
 
-from store.redis_server import RedisServer
+from gateway.cli.procs import RedisServer, WorkerProcess
 from tests.conftest import prompt_text
 from tests.worker.conftest import PoolClient
 from worker.advert import adverts
 from worker.protocol import worker_queue
-from worker.spawn import WorkerProcess
 
 KVPOOL = str(Path(sys.executable).parent / "kvpool")
 
@@ -59,7 +58,7 @@ def test_a_second_live_worker_of_the_same_name_is_refused_before_loading_the_mod
 def test_a_worker_rides_out_a_redis_restart(pool_env, tiny_model, tmp_path: Path, persist: bool) -> None:
     server = RedisServer(tmp_path / "redis", persist=persist).start()
     conn = redis.Redis.from_url(server.url)
-    w = WorkerProcess("w1", {**pool_env, "KVPOOL_REDIS_URL": server.url}, tmp_path / "w1.log").start(conn)
+    w = WorkerProcess("w1", {**pool_env, "KVPOOL_REDIS_URL": server.url}, tmp_path / "w1.log").start()
     try:
         client = PoolClient(conn, tiny_model)
         prompt = client.tokens(prompt_text(23, 50))

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from worker.bench.measure import median, pct
-from worker.bench.plan import SYSTEMS
+from gateway.cli.bench.measure import median, pct
+from gateway.cli.bench.plan import SYSTEMS
 
 BATCH_SYSTEMS = {"kvpool-2w"}
 """Systems answering a whole workload at once: their time to first token includes the wait in the queue."""
@@ -320,8 +320,8 @@ def _rows_of(run: Run) -> list[list[str]]:
 
 def write_outputs(doc: dict[str, Any], out: Path) -> list[Path]:
     """Write results.json, report.md and the plots into ``out``; returns the paths."""
-    from worker.bench.plots import plot
-    from worker.bench.report_md import markdown
+    from gateway.cli.bench.plots import plot
+    from gateway.cli.bench.report_md import markdown
 
     out.mkdir(parents=True, exist_ok=True)
     plots = plot(doc, out)

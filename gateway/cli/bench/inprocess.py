@@ -15,8 +15,8 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from worker.bench.systems import SAMPLING, Sample, _loadavg
-from worker.bench.workloads import Request
+from gateway.cli.bench.systems import SAMPLING, Sample, _loadavg
+from gateway.cli.bench.workloads import Request
 from worker.llama_state import open_llama
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.bench.measure import median
-from worker.bench.plan import SYSTEM_TITLES
-from worker.bench.report import TABLE_HEAD, WORKLOAD_TITLES, Run, _rows_of
+from gateway.cli.bench.measure import median
+from gateway.cli.bench.plan import SYSTEM_TITLES
+from gateway.cli.bench.report import TABLE_HEAD, WORKLOAD_TITLES, Run, _rows_of
 
 
 def _md_table(head: list[str], rows: list[list[str]]) -> str:

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from worker.bench.plan import SYSTEMS
-from worker.bench.report import WORKLOAD_TITLES
+from gateway.cli.bench.plan import SYSTEMS
+from gateway.cli.bench.report import WORKLOAD_TITLES
 
 
 def plot(doc: dict[str, Any], out: Path) -> list[str]:

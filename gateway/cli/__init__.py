@@ -11,17 +11,17 @@ from store.logs import configure_logging
 from store.settings import StoreSettings
 
 _GROUPS = {
-    "store": "store.cli:store_group",
-    "model": "worker.cli:model_group",
-    "worker": "worker.cli:worker_command",
+    "store": "gateway.cli.store:store_group",
+    "model": "gateway.cli.worker:model_group",
+    "worker": "gateway.cli.worker:worker_command",
     "gateway": "gateway.cli:gateway_command",
-    "up": "gateway.up:up_command",
-    "docs": "gateway.docs:docs_command",
-    "batch": "gateway.batch:batch_command",
-    "bench": "worker.bench.cli:bench_command",
-    "bench-peers": "worker.bench.cli:bench_peers_command",
-    "bench-index": "worker.bench.index_scale:bench_index_command",
-    "bench-resume": "worker.bench.resume:bench_resume_command",
+    "up": "gateway.cli.up:up_command",
+    "docs": "gateway.cli.docs:docs_command",
+    "batch": "gateway.cli.batch:batch_command",
+    "bench": "gateway.cli.bench.cli:bench_command",
+    "bench-peers": "gateway.cli.bench.cli:bench_peers_command",
+    "bench-index": "gateway.cli.bench.index_scale:bench_index_command",
+    "bench-resume": "gateway.cli.bench.resume:bench_resume_command",
 }
 
 

@@ -11,7 +11,7 @@ from types import FrameType
 
 import click
 
-from worker.bench.workloads import WORKLOAD_KEYS
+from gateway.cli.bench.workloads import WORKLOAD_KEYS
 
 DEFAULT_MODEL_DIR = Path(".kvpool/models")
 
@@ -136,7 +136,7 @@ def _runs(
     quick: bool, sizes: tuple[str, ...], model_path: Path | None, models_dir: Path, keys: tuple[str, ...], o: dict[str, int | None]
 ) -> list[object]:
     """One run per model: the generated sizes asked for, or the user's own model, each with its profile tuned by the options."""
-    from worker.bench.plan import PROFILES, ModelRun
+    from gateway.cli.bench.plan import PROFILES, ModelRun
     from worker.genmodel import ensure_model
 
     def tuned(name: str) -> object:
@@ -166,7 +166,7 @@ def _run_with_sigterm(
     runs: list[object], out: Path, store: str, s3_endpoint_url: str | None, seed: int, command: str, max_foreign_load: float | None
 ) -> dict[str, object]:
     """Run the benchmark; a SIGTERM stops it like Ctrl-C, so its services are stopped too."""
-    from worker.bench.runner import run_bench
+    from gateway.cli.bench.runner import run_bench
 
     try:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -191,7 +191,7 @@ def _run_with_sigterm(
 
 
 def _finish(doc: dict[str, object], out: Path) -> None:
-    from worker.bench.report import analyze, print_table, write_outputs
+    from gateway.cli.bench.report import analyze, print_table, write_outputs
 
     analyze(doc)
     print_table(doc)
@@ -233,7 +233,7 @@ def bench_peers_command(
     """kvpool beside llama.cpp's llama-server (1 slot, 4 slots, 2 round-robin), over HTTP, on W1 and W3 at concurrency 1 and 4."""
     import logging
 
-    from worker.bench.peers import report, run_peers
+    from gateway.cli.bench.peers import report, run_peers
     from worker.packaged import DEFAULT_MODEL, ensure_packaged
 
     logging.getLogger("httpx").setLevel(logging.WARNING)

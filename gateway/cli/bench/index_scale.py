@@ -31,8 +31,8 @@ from pathlib import Path
 import click
 import redis
 
+from gateway.cli.procs import RedisServer
 from store.index import _ADD, RedisIndex
-from store.redis_server import RedisServer
 from worker.advert import advertise, adverts
 from worker.protocol import worker_queue
 

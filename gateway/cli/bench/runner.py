@@ -19,9 +19,9 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
-from worker.bench import measure
-from worker.bench.inprocess import InProcessModel, LlamaCppSystem
-from worker.bench.plan import (
+from gateway.cli.bench import measure
+from gateway.cli.bench.inprocess import InProcessModel, LlamaCppSystem
+from gateway.cli.bench.plan import (
     STATELESS,
     Echo,
     ModelRun,
@@ -32,22 +32,22 @@ from worker.bench.plan import (
     clock,
     floor_keep,
 )
-from worker.bench.services import Services, WorkerSpec
-from worker.bench.systems import (
+from gateway.cli.bench.services import Services, WorkerSpec
+from gateway.cli.bench.systems import (
     KvpoolSystem,
     PoolClient,
     Sample,
     System,
     run_batch,
 )
-from worker.bench.workloads import (
+from gateway.cli.bench.workloads import (
     Request,
     TokenSource,
     build,
 )
+from gateway.cli.procs import WorkerProcess
 from worker.llama_state import context_cache
 from worker.namespace import namespace_for
-from worker.spawn import WorkerProcess
 
 
 def prepare(run: ModelRun, seed: int, max_foreign_load: float | None = None) -> Prepared:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from worker.bench.inprocess import InProcessModel
-from worker.bench.workloads import WORKLOAD_KEYS, Request, Sizes, TokenSource, Workload
+from gateway.cli.bench.inprocess import InProcessModel
+from gateway.cli.bench.workloads import WORKLOAD_KEYS, Request, Sizes, TokenSource, Workload
 
 SYSTEMS = ("cold", "llama-ram", "llama-disk", "kvpool", "kvpool-cross", "kvpool-2w", "kvpool-nostore", "suffix-only")
 """Every system name a sample can carry; ``suffix-only`` is the floor's evaluation part, not a system."""

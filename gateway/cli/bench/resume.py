@@ -24,7 +24,7 @@ from pathlib import Path
 
 import click
 
-from store.redis_server import RedisServer
+from gateway.cli.procs import RedisServer
 from store.store import Store
 from worker.engine import Engine
 from worker.protocol import JobResult, JobSpec, SamplingParams, TokenEvent, job_spec

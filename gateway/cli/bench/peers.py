@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from store.redis_server import free_port, stop_process
+from gateway.cli.procs import LlamaServer, free_port
 
 MAX_TOKENS = 32
 
@@ -162,43 +161,25 @@ def run_workload(system: str, urls: list[str], wl: Workload, concurrency: int) -
     return out
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], path: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(url + path, timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not come up")
-        time.sleep(0.1)
-
-
 @contextmanager
 def llama_servers(binary: Path, model: Path, *, count: int, threads: int, slots: int, n_ctx: int, logs: Path) -> Iterator[list[str]]:
-    procs, urls = [], []
+    args = ["-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx * slots), "-np", str(slots)]
+    servers = [LlamaServer(binary, args, logs / f"llama-server-{count}x{slots}-{i}.log") for i in range(count)]
     try:
-        for i in range(count):
-            port = free_port()
-            args = [str(binary), "-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx * slots)]
-            args += ["-np", str(slots), "--host", "127.0.0.1", "--port", str(port)]
-            log = open(logs / f"llama-server-{count}x{slots}-{i}.log", "ab")  # handed to the child
-            env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}  # a shared-library build keeps its libraries beside it
-            procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env))
-            urls.append(f"http://127.0.0.1:{port}")
-        for url, proc in zip(urls, procs):
-            _wait_http(url, proc, "/health")
-        yield urls
+        for server in servers:
+            server.spawn()
+        for server in servers:
+            server.wait_ready()
+        yield [server.url for server in servers]
     finally:
-        for proc in procs:
-            stop_process(proc)
+        for server in servers:
+            server.stop()
 
 
 @contextmanager
 def kvpool_pool(model: Path, *, workers: int, threads: int, n_ctx: int, logs: Path) -> Iterator[list[str]]:
+    from gateway.cli.up import LocalPool
     from gateway.settings import GatewaySettings
-    from gateway.up import LocalPool
 
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as state:
         env_keep = {k: os.environ.pop(k) for k in [k for k in os.environ if k.startswith("KVPOOL_")]}

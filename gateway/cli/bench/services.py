@@ -18,14 +18,10 @@ from pathlib import Path
 
 import redis
 
-from store.redis_server import RedisServer, free_port
-from store.s3_server import S3Server
+from gateway.cli.procs import S3_ACCESS_KEY, S3_SECRET_KEY, RedisServer, S3Server, WorkerProcess, free_port
 from store.settings import StoreSettings
-from worker.spawn import WorkerProcess
 
 BUCKET = "kvpool-bench"
-MOTO_ACCESS_KEY = "kvpool-bench"
-MOTO_SECRET_KEY = "kvpool-bench-secret"
 
 
 @dataclass
@@ -62,7 +58,7 @@ class Services:
             else:
                 self.s3 = S3Server().start()
                 endpoint = self.s3.endpoint_url
-                creds = {"KVPOOL_S3_ACCESS_KEY_ID": MOTO_ACCESS_KEY, "KVPOOL_S3_SECRET_ACCESS_KEY": MOTO_SECRET_KEY}
+                creds = {"KVPOOL_S3_ACCESS_KEY_ID": S3_ACCESS_KEY, "KVPOOL_S3_SECRET_ACCESS_KEY": S3_SECRET_KEY}
             self.store_env = {**common, "KVPOOL_STORE_URL": f"s3://{BUCKET}/{run}", "KVPOOL_S3_ENDPOINT_URL": endpoint, **creds}
         else:
             raise ValueError(f"store must be 's3' or 'fs', not {self.store_kind!r}")
@@ -111,9 +107,8 @@ class Services:
                 )
             procs.append(WorkerProcess(spec.name, env, self.work_dir / "logs" / f"{spec.name}.log"))
         self.workers += procs
-        conn = self.conn
         with ThreadPoolExecutor(len(procs)) as pool:
-            for fut in [pool.submit(p.start, conn, timeout_s) for p in procs]:
+            for fut in [pool.submit(p.start, timeout_s) for p in procs]:
                 fut.result()
         return procs
 

@@ -31,9 +31,9 @@ from typing import Protocol
 
 import redis
 
+from gateway.cli.bench.workloads import Request
 from store.fingerprint import fingerprint_file
 from store.index import RedisIndex
-from worker.bench.workloads import Request
 from worker.client import events, submit
 from worker.namespace import namespace_for
 from worker.protocol import (

@@ -9,68 +9,20 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import click
 import httpx
-import redis
 from pydantic import ValidationError
 
+from gateway.cli.procs import GatewayProcess, RedisServer, WorkerProcess, free_port
 from gateway.settings import GatewaySettings
-from store.redis_server import RedisServer, free_port, stop_process
 from worker.model_fetch import resolve_model
-from worker.spawn import WorkerProcess
 
 Say = Callable[[str], None]
-
-
-class GatewayProcess:
-    """A ``kvpool gateway`` process; ready once ``/healthz`` answers."""
-
-    def __init__(self, env: dict[str, str], port: int, log_path: str | os.PathLike[str]) -> None:
-        self.port = port
-        self.env = {**os.environ, **env, "KVPOOL_PORT": str(port)}
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        host = self.env.get("KVPOOL_HOST", "127.0.0.1")
-        return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.port}"
-
-    def start(self, timeout_s: float = 60.0) -> GatewayProcess:
-        return self.spawn().wait_ready(timeout_s)
-
-    def spawn(self) -> GatewayProcess:
-        kvpool = os.path.join(os.path.dirname(sys.executable), "kvpool")
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([kvpool, "gateway"], env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        return self
-
-    def wait_ready(self, timeout_s: float = 60.0) -> GatewayProcess:
-        assert self.proc is not None, "spawn() first"
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                urllib.request.urlopen(self.url + "/healthz", timeout=1).read()
-                return self
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the gateway did not start; its log:\n{self.log()[-3000:]}") from None
-                time.sleep(0.1)
-
-    def log(self) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        stop_process(self.proc, timeout_s)
 
 
 def default_workers(cores: int | None = None) -> tuple[int, int]:
@@ -114,7 +66,6 @@ class LocalPool:
         env["KVPOOL_MODEL"] = str(model)
         self.say(f"model    {model}")
         self.say(f"store    {self.settings.resolved_store_url()}")
-        conn = redis.Redis.from_url(redis_url)
         threads = {"KVPOOL_N_THREADS": str(self.threads), "KVPOOL_N_THREADS_BATCH": str(self.threads)}
         for i in range(self.n_workers):  # all start at once; each is waited for below
             name = f"worker-{i + 1}"
@@ -122,7 +73,7 @@ class LocalPool:
         port = self.settings.port or free_port()
         self.gateway = GatewayProcess(env, port, self.logs / "gateway.log").spawn()
         for w in self.workers:
-            w.wait_ready(conn)
+            w.wait_ready()
             self.say(f"{w.name} ready ({self.threads} threads, log {w.log_path})")
         self.gateway.wait_ready()
         self.say(f"gateway  {self.gateway.url} ready")

@@ -1,0 +1,284 @@
+"""Every process kvpool starts: redis-server, a local S3 endpoint, ``kvpool worker``, ``kvpool gateway`` and ``llama-server``.
+
+``kvpool up``, the benchmarks and the tests all start processes through this module, and
+only through it. Each process runs in its own session, so a Ctrl-C in a terminal reaches
+only the supervisor, which then stops what it started. One loop, `wait_ready`, waits for
+any of them until its readiness probe answers, and fails with the process's log when it
+exits first or the time runs out; `stop_process` stops any of them (SIGTERM, then SIGKILL).
+
+The library packages never import this module: starting processes is the edge's job.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import Self
+
+import httpx
+import redis
+
+from worker.advert import adverts
+
+S3_ACCESS_KEY = "kvpool-local"
+S3_SECRET_KEY = "kvpool-local-secret"
+"""Credentials of the local S3 endpoint (moto accepts any; these are what kvpool hands it)."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float = 10.0) -> int | None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``; returns the exit status."""
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def wait_ready(ready: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, timeout_s: float, log: str | None = None) -> None:
+    """Poll ``ready`` until it is true; raise if ``proc`` exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            why = f"exited with status {proc.returncode}" if proc.returncode is not None else f"not ready after {timeout_s:g} s"
+            raise RuntimeError(f"{what} did not start ({why})" + (f"; its log {log}:\n{_tail(log)}" if log else ""))
+        time.sleep(0.05)
+
+
+def http_ok(url: str) -> Callable[[], bool]:
+    """A readiness probe: ``url`` answers 200."""
+
+    def probe() -> bool:
+        try:
+            return httpx.get(url, timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    return probe
+
+
+def _tail(path: str, limit: int = 3000) -> str:
+    try:
+        return Path(path).read_bytes()[-limit:].decode(errors="replace")
+    except OSError as e:
+        return f"(unreadable: {e})"
+
+
+class Process(ABC):
+    """A child process with its output in a log file; subclasses say how to start it and when it is ready."""
+
+    what = "process"
+
+    def __init__(self, log_path: os.PathLike[str] | str, env: dict[str, str] | None = None) -> None:
+        self.log_path = log_path
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @abstractmethod
+    def args(self) -> list[str]: ...
+
+    @abstractmethod
+    def ready(self) -> bool: ...
+
+    def spawn(self) -> Self:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.args(), env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 120.0) -> Self:
+        assert self.proc is not None, "spawn() first"
+        try:
+            wait_ready(self.ready, self.proc, self.what, timeout_s, str(self.log_path))
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
+
+    def start(self, timeout_s: float = 120.0) -> Self:
+        return self.spawn().wait_ready(timeout_s)
+
+    def log(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        return stop_process(self.proc, timeout_s)
+
+
+def kvpool_command(*args: str) -> list[str]:
+    """The ``kvpool`` command of this Python environment."""
+    return [os.path.join(os.path.dirname(sys.executable), "kvpool"), *args]
+
+
+class WorkerProcess(Process):
+    """A ``kvpool worker``, ready once *this* process advertises itself (model loaded, self-check passed, registered)."""
+
+    def __init__(self, name: str, env: dict[str, str], log_path: os.PathLike[str] | str, redis_url: str | None = None) -> None:
+        super().__init__(log_path, {**env, "KVPOOL_WORKER_NAME": name})
+        self.name = name
+        self.what = f"worker {name}"
+        self.conn = redis.Redis.from_url(redis_url or self.env.get("KVPOOL_REDIS_URL", "redis://localhost:6379/0"))
+
+    def args(self) -> list[str]:
+        return kvpool_command("worker")
+
+    def ready(self) -> bool:
+        """An advert left by an earlier process of the same name does not count."""
+        assert self.proc is not None
+        try:
+            return any(a.worker == self.name and a.pid == self.proc.pid for a in adverts(self.conn))
+        except redis.ConnectionError:
+            return False
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """Warm shutdown: the current job finishes first."""
+        return stop_process(self.proc, timeout_s)
+
+
+class GatewayProcess(Process):
+    """A ``kvpool gateway``, ready once ``/healthz`` answers."""
+
+    what = "the gateway"
+
+    def __init__(self, env: dict[str, str], port: int, log_path: os.PathLike[str] | str) -> None:
+        super().__init__(log_path, {**env, "KVPOOL_PORT": str(port)})
+        self.port = port
+
+    @property
+    def url(self) -> str:
+        host = self.env.get("KVPOOL_HOST", "127.0.0.1")
+        return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.port}"
+
+    def args(self) -> list[str]:
+        return kvpool_command("gateway")
+
+    def ready(self) -> bool:
+        return http_ok(self.url + "/healthz")()
+
+
+class LlamaServer(Process):
+    """llama.cpp's ``llama-server``, ready once ``/health`` answers 200 (the model is loaded)."""
+
+    what = "llama-server"
+
+    def __init__(self, binary: Path, args: list[str], log_path: os.PathLike[str] | str) -> None:
+        # A shared-library build keeps its libraries beside the binary.
+        super().__init__(log_path, {"LD_LIBRARY_PATH": str(binary.parent)})
+        self.binary = binary
+        self.port = free_port()
+        self.extra = args
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def args(self) -> list[str]:
+        return [str(self.binary), *self.extra, "--host", "127.0.0.1", "--port", str(self.port)]
+
+    def ready(self) -> bool:
+        return http_ok(self.url + "/health")()
+
+
+class RedisServer(Process):
+    """``redis-server`` on a free loopback port with its data in ``data_dir``."""
+
+    what = "redis-server"
+
+    def __init__(self, data_dir: Path, *, port: int | None = None, persist: bool = False) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError("redis-server is not installed (the README's set-up command installs it)")
+        self.binary = binary
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        self.persist = persist
+        super().__init__(self.data_dir / "redis-server.log")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def args(self) -> list[str]:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir)]
+        return args + (["--appendonly", "yes"] if self.persist else ["--save", "", "--appendonly", "no"])
+
+    def ready(self) -> bool:
+        try:
+            return bool(redis.Redis(port=self.port, socket_connect_timeout=0.5).ping())
+        except redis.ConnectionError:
+            return False
+
+    def start(self, timeout_s: float = 10.0) -> Self:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        super().start(timeout_s)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        status = stop_process(self.proc, timeout_s)
+        self.proc = None
+        return status
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class S3Server(Process):
+    """A local S3-compatible endpoint (moto's server mode) over real HTTP, for the tests and the benchmarks.
+
+    boto3 reaches it with an endpoint URL, exactly as it reaches MinIO in deployment.
+    Needs ``moto[server]`` (a test extra).
+    """
+
+    what = "the S3 endpoint (moto)"
+
+    def __init__(self, port: int | None = None, log_path: os.PathLike[str] | str = os.devnull) -> None:
+        super().__init__(log_path)
+        self.port = port or free_port()
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def args(self) -> list[str]:
+        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+
+    def ready(self) -> bool:
+        return http_ok(self.endpoint_url + "/moto-api/")()
+
+    def start(self, timeout_s: float = 30.0) -> Self:
+        if importlib.util.find_spec("moto") is None:
+            raise RuntimeError("a local S3 endpoint needs moto[server] (pip install 'moto[server]')")
+        super().start(timeout_s)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        status = stop_process(self.proc, timeout_s)
+        self.proc = None
+        return status
