@@ -17,7 +17,7 @@ from gateway.cli.bench.plan import PROFILES, cold_subset
 from gateway.cli.bench.systems import Sample
 from gateway.cli.bench.workloads import TokenSource, build
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
