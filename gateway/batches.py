@@ -115,10 +115,15 @@ class Batches:
 
     def list(self, tenant: Tenant, limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool]:
         """The tenant's batches, newest first, after the one named; and whether there are more."""
-        ids = [i.decode() for i in self.conn.zrevrange(_tenant_key(tenant), 0, -1)]
+        key = _tenant_key(tenant)
+        start = 0
         if after is not None:
-            ids = ids[ids.index(after) + 1 :] if after in ids else []
-        recs = [r for r in (self.load(i) for i in ids[: limit + 1]) if r is not None]
+            rank = self.conn.zrevrank(key, after)
+            if rank is None:
+                return [], False
+            start = int(rank) + 1
+        ids = [i.decode() for i in self.conn.zrevrange(key, start, start + limit)]
+        recs = [r for r in (self.load(i) for i in ids) if r is not None]
         return recs[:limit], len(recs) > limit
 
     def active(self) -> list[str]:

@@ -85,16 +85,6 @@ class Store(Maintenance):
 
     # -- reading ---------------------------------------------------------------
 
-    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
-        """How many chunks from the start of the chain ``keys`` the store holds."""
-        metrics.LOOKUPS.inc()
-        depth = self._guard("redis", lambda: self.index.deepest(keys))
-        metrics.CHUNKS.labels("hit").inc(depth)
-        metrics.CHUNKS.labels("miss").inc(len(keys) - depth)
-        metrics.TOKENS.labels("hit").inc(depth * ns.chunk_size)
-        metrics.TOKENS.labels("miss").inc((len(keys) - depth) * ns.chunk_size)
-        return depth
-
     def find(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes]) -> Hit:
         """How far the store holds this prompt, to the token: its deepest stored chunk, then the best tail from there."""
         metrics.LOOKUPS.inc()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import llama_cpp
@@ -14,6 +14,7 @@ import redis
 
 from gateway.cli.procs import S3_ACCESS_KEY, S3_SECRET_KEY, RedisServer, S3Server, WorkerProcess
 from store.backend import BlobBackend
+from store.chain import Namespace
 from store.fs import FsBackend
 from store.index import RedisIndex
 from store.s3 import S3Backend
@@ -193,3 +194,8 @@ def wait_settled(redis_url: str, timeout_s: float = 30.0) -> None:
             return
         assert time.monotonic() < deadline, f"workers still busy or publishing: {[(a.worker, a.busy, a.pending) for a in ads]}"
         time.sleep(0.05)
+
+
+def stored_depth(store: Store, ns: Namespace, keys: Sequence[bytes]) -> int:
+    """How many chunks from the start of the chain ``keys`` the store holds (`Store.find` without a tail)."""
+    return store.find(ns, [], keys).depth

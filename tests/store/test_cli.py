@@ -16,6 +16,7 @@ from store.chain import CacheFormat, Namespace
 from store.fs import FsBackend
 from store.index import RedisIndex
 from store.store import Store
+from tests.conftest import stored_depth
 
 NS = Namespace("fp", CacheFormat(), chunk_size=4)
 
@@ -54,7 +55,7 @@ def test_verify_reports_and_repairs(filled) -> None:
     assert bad.returncode == 1 and name in bad.stdout and "1 bad" in bad.stdout
     assert kvpool(env, "store", "verify", "--repair").returncode == 0
     assert kvpool(env, "store", "verify").returncode == 0
-    assert store.lookup(NS, keys) == 4
+    assert stored_depth(store, NS, keys) == 4
 
 
 def test_gc_and_reindex(filled) -> None:
@@ -65,7 +66,7 @@ def test_gc_and_reindex(filled) -> None:
     store.index.r.flushdb()
     out = kvpool(env, "store", "reindex")
     assert out.returncode == 0 and "indexed 6 chunks" in out.stdout
-    assert store.lookup(NS, keys) == 6
+    assert stored_depth(store, NS, keys) == 6
 
 
 def test_unreachable_redis_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:

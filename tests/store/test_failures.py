@@ -12,7 +12,7 @@ from store.errors import StoreUnavailable
 from store.index import RedisIndex
 from store.s3 import S3Backend
 from store.store import Store
-from tests.conftest import s3_settings
+from tests.conftest import s3_settings, stored_depth
 
 NS = Namespace("fp", CacheFormat(), chunk_size=4)
 TOKENS = np.arange(32)
@@ -58,7 +58,7 @@ def test_fetch_with_s3_down_is_a_miss_not_an_error(own_s3: S3Server, redis_url: 
     t0 = time.monotonic()
     assert store.fetch(NS, TOKENS, KEYS, 0, len(KEYS)) == []
     assert time.monotonic() - t0 < 5
-    assert store.lookup(NS, KEYS) == len(KEYS), "an unreachable backend is not a reason to forget the index"
+    assert stored_depth(store, NS, KEYS) == len(KEYS), "an unreachable backend is not a reason to forget the index"
 
 
 def test_unreachable_s3_at_open_names_the_endpoint() -> None:
@@ -87,7 +87,7 @@ def test_store_lookup_with_redis_down_raises_store_unavailable(tmp_path: Path) -
     port = free_port()
     store = Store(FsBackend(tmp_path), RedisIndex.from_url(f"redis://127.0.0.1:{port}/0", connect_timeout_s=1))
     with pytest.raises(StoreUnavailable):
-        store.lookup(NS, KEYS)
+        stored_depth(store, NS, KEYS)
     with pytest.raises(StoreUnavailable):
         store.publish(NS, TOKENS, KEYS, {0: b"x"})
 
@@ -99,8 +99,8 @@ def test_an_s3_that_comes_back_empty_is_data_lost_not_an_outage(own_s3: S3Server
     own_s3.stop()
     own_s3.start()  # the same endpoint again, with no buckets: moto keeps nothing
     assert not store.backend.exists("anything"), "the endpoint answers (moto loads its S3 backend on the first request)"
-    assert store.lookup(NS, KEYS) == len(KEYS)
+    assert stored_depth(store, NS, KEYS) == len(KEYS)
     assert store.fetch(NS, TOKENS, KEYS, 0, len(KEYS)) == []
-    assert store.lookup(NS, KEYS) == 0, "every entry of the chain from the missing chunk on is dropped"
+    assert stored_depth(store, NS, KEYS) == 0, "every entry of the chain from the missing chunk on is dropped"
     assert store.publish(NS, TOKENS, KEYS, {i: b"payload" for i in range(len(KEYS))}) == len(KEYS)
     assert [bytes(p) for p in store.fetch(NS, TOKENS, KEYS, 0, len(KEYS))] == [b"payload"] * len(KEYS)

@@ -10,6 +10,7 @@ from store.blob import BlobName
 from store.chain import CacheFormat, Namespace
 from store.maintenance import QUARANTINE_PREFIX
 from store.store import Store
+from tests.conftest import stored_depth
 
 NS = Namespace("fp", CacheFormat.of("f16", "f16", False), chunk_size=8)
 
@@ -31,7 +32,7 @@ def publish_all(store: Store, tokens: np.ndarray, ns: Namespace = NS) -> list[by
 def test_publish_then_lookup_and_fetch(store: Store) -> None:
     tokens = tokens_for(0)
     keys = publish_all(store, tokens)
-    assert store.lookup(NS, keys) == 8
+    assert stored_depth(store, NS, keys) == 8
     got = store.fetch(NS, tokens, keys, 0, 8)
     assert [bytes(p) for p in got] == [payload(i, keys) for i in range(8)]
     assert [bytes(p) for p in store.fetch(NS, tokens, keys, 3, 5)] == [payload(3, keys), payload(4, keys)]
@@ -41,14 +42,14 @@ def test_a_shared_prefix_is_found_by_another_prompt(store: Store) -> None:
     a = tokens_for(1)
     publish_all(store, a)
     b = np.concatenate([a[:40], tokens_for(2, 24)])
-    assert store.lookup(NS, NS.chain(b)) == 5
+    assert stored_depth(store, NS, NS.chain(b)) == 5
 
 
 def test_another_tenant_finds_nothing(store: Store) -> None:
     tokens = tokens_for(3)
     publish_all(store, tokens)
     other = Namespace(NS.model_fingerprint, NS.layout, NS.chunk_size, tenant_salt="tenant-b")
-    assert store.lookup(other, other.chain(tokens)) == 0
+    assert stored_depth(store, other, other.chain(tokens)) == 0
 
 
 def test_publish_is_idempotent(store: Store) -> None:
@@ -82,7 +83,7 @@ def test_lookup_stops_at_a_hole(store: Store) -> None:
     tokens = tokens_for(7)
     keys = NS.chain(tokens)
     store.publish(NS, tokens, keys, {i: payload(i, keys) for i in (0, 1, 2, 4, 5)})
-    assert store.lookup(NS, keys) == 3
+    assert stored_depth(store, NS, keys) == 3
 
 
 def corrupt(store: Store, keys: list[bytes], i: int, mutate) -> str:
@@ -107,7 +108,7 @@ def test_a_corrupt_blob_is_never_returned_and_is_quarantined(store: Store, mutat
     name = corrupt(store, keys, 3, mutate)
     got = store.fetch(NS, tokens, keys, 0, 8)
     assert [bytes(p) for p in got] == [payload(i, keys) for i in range(3)]
-    assert store.lookup(NS, keys) == 3
+    assert stored_depth(store, NS, keys) == 3
     assert not store.backend.exists(name)
     assert store.backend.exists(QUARANTINE_PREFIX + name)
 
@@ -127,7 +128,7 @@ def test_a_missing_blob_ends_the_run_and_drops_its_entry(store: Store) -> None:
     keys = publish_all(store, tokens)
     store.backend.delete(str(BlobName(NS.key, 5, keys[5])))
     assert len(store.fetch(NS, tokens, keys, 0, 8)) == 5
-    assert store.lookup(NS, keys) == 5
+    assert stored_depth(store, NS, keys) == 5
 
 
 def test_fetch_touches_the_prefix_it_used(store: Store) -> None:
@@ -149,7 +150,7 @@ def test_gc_keeps_the_most_recently_used_chains_whole(store: Store) -> None:
     result = store.gc(max_bytes=2 * per_chain)
     assert result.total_bytes <= 2 * per_chain
     assert result.evicted_chunks == 16
-    assert [store.lookup(NS, k) for k in keys] == [0, 0, 8, 8]
+    assert [stored_depth(store, NS, k) for k in keys] == [0, 0, 8, 8]
     assert store.index.total_bytes() == sum(o.size for o in store.backend.list("chunks/"))
 
 
@@ -158,7 +159,7 @@ def test_gc_evicts_deepest_chunks_first_so_no_chain_has_a_hole(store: Store) -> 
     keys = publish_all(store, tokens)
     size = store.index.total_bytes() // 8
     store.gc(max_bytes=size * 3)
-    assert store.lookup(NS, keys) == 3
+    assert stored_depth(store, NS, keys) == 3
     assert store.index.count() == 3
 
 
@@ -168,7 +169,7 @@ def test_automatic_budget_applies_on_publish(backend, index) -> None:
         assert s.index.total_bytes() == 0
     with Store(backend, index, max_bytes=10**9) as s:
         keys = publish_all(s, tokens_for(14))
-        assert s.lookup(NS, keys) == 8
+        assert stored_depth(s, NS, keys) == 8
 
 
 def test_reindex_rebuilds_after_redis_loses_everything(store: Store) -> None:
@@ -177,12 +178,12 @@ def test_reindex_rebuilds_after_redis_loses_everything(store: Store) -> None:
     total = store.index.total_bytes()
     store.backend.put(QUARANTINE_PREFIX + "junk", b"x")
     store.index.r.flushdb()
-    assert store.lookup(NS, ka) == 0
+    assert stored_depth(store, NS, ka) == 0
     assert store.reindex() == 16
-    assert store.lookup(NS, ka) == 8 and store.lookup(NS, kb) == 8
+    assert stored_depth(store, NS, ka) == 8 and stored_depth(store, NS, kb) == 8
     assert store.index.total_bytes() == total
     store.gc(max_bytes=total * 3 // 4)
-    assert store.lookup(NS, ka) == store.lookup(NS, kb) == 6
+    assert stored_depth(store, NS, ka) == stored_depth(store, NS, kb) == 6
     assert len(store.fetch(NS, a, ka, 0, 8)) == 6
 
 
@@ -217,7 +218,7 @@ def test_metrics_count_hits_misses_and_corruption(store: Store) -> None:
     hits, misses = value("kvpool_store_chunks_total", result="hit"), value("kvpool_store_chunks_total", result="miss")
     corrupt_before = value("kvpool_store_corrupt_blobs_total", reason="corrupt")
     longer = np.concatenate([tokens, tokens_for(20, 16)])
-    assert store.lookup(NS, NS.chain(longer)) == 8
+    assert stored_depth(store, NS, NS.chain(longer)) == 8
     assert value("kvpool_store_chunks_total", result="hit") == hits + 8
     assert value("kvpool_store_chunks_total", result="miss") == misses + 2
     corrupt(store, keys, 0, lambda b: b[:-1] + bytes([b[-1] ^ 1]))
