@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import redis
 import redis.asyncio
@@ -50,6 +51,11 @@ def parse_event(fields: dict[bytes, bytes]) -> Event:
     return _EVENT.validate_python(json.loads(fields[b"e"]))
 
 
+def _entries(batch: list[Any]) -> list[tuple[bytes, Event]]:
+    """The (entry id, event) pairs of one XREAD reply for one stream."""
+    return [(entry_id, parse_event(fields)) for entry_id, fields in batch[0][1]]
+
+
 def events(conn: redis.Redis, job_id: str, *, timeout_s: float = 600.0, block_ms: int = 1000) -> Iterator[Event]:
     """Yield the job's events from the start, until a final one (done, or an error not retried).
 
@@ -64,9 +70,9 @@ def events(conn: redis.Redis, job_id: str, *, timeout_s: float = 600.0, block_ms
                 raise TimeoutError(f"no event from job {job_id} for {timeout_s:.0f} s")
             continue
         deadline = time.monotonic() + timeout_s
-        for entry_id, fields in batch[0][1]:
-            last = entry_id
-            event = parse_event(fields)
+        entries = _entries(batch)
+        last = entries[-1][0]
+        for _, event in entries:
             yield event
             if _final(event):
                 return
@@ -90,9 +96,9 @@ async def aevents(conn: redis.asyncio.Redis, job_id: str, *, block_ms: int = 100
         if not batch:
             yield None
             continue
-        for entry_id, fields in batch[0][1]:
-            last = entry_id
-            event = parse_event(fields)
+        entries = _entries(batch)
+        last = entries[-1][0]
+        for _, event in entries:
             yield event
             if _final(event):
                 return

@@ -43,7 +43,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
@@ -119,51 +119,12 @@ class ModelSpec:
         return sum(int(np.prod(shape)) for _, shape, _ in _tensor_plan(self))
 
 
+_TINY = ModelSpec(name="tiny", n_vocab=2048, n_embd=256, n_layer=4, n_head=4, n_head_kv=2, n_ff=512, n_ctx_train=4096)
 SIZES: dict[str, ModelSpec] = {
-    "tiny": ModelSpec(
-        name="tiny",
-        n_vocab=2048,
-        n_embd=256,
-        n_layer=4,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=512,
-        n_ctx_train=4096,
-    ),
-    "bench": ModelSpec(
-        name="bench",
-        n_vocab=32000,
-        n_embd=2048,
-        n_layer=22,
-        n_head=32,
-        n_head_kv=4,
-        n_ff=5632,
-        n_ctx_train=4096,
-    ),
-    "tiny-swa": ModelSpec(
-        name="tiny-swa",
-        n_vocab=2048,
-        n_embd=256,
-        n_layer=4,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=512,
-        n_ctx_train=4096,
-        block_out_gain=8.0,
-        arch="cohere2",
-    ),
-    "tiny-ssm": ModelSpec(
-        name="tiny-ssm",
-        n_vocab=2048,
-        n_embd=128,
-        n_layer=2,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=512,
-        n_ctx_train=4096,
-        dtype="f32",
-        arch="mamba",
-    ),
+    "tiny": _TINY,
+    "bench": ModelSpec(name="bench", n_vocab=32000, n_embd=2048, n_layer=22, n_head=32, n_head_kv=4, n_ff=5632, n_ctx_train=4096),
+    "tiny-swa": replace(_TINY, name="tiny-swa", block_out_gain=8.0, arch="cohere2"),
+    "tiny-ssm": replace(_TINY, name="tiny-ssm", n_embd=128, n_layer=2, dtype="f32", arch="mamba"),
 }
 
 NEGATIVE_DECAY = -1.0

@@ -237,11 +237,6 @@ class RedisServer(Process):
         super().start(timeout_s)
         return self
 
-    def stop(self, timeout_s: float = 10.0) -> int | None:
-        status = stop_process(self.proc, timeout_s)
-        self.proc = None
-        return status
-
     def __enter__(self) -> Self:
         return self.start()
 
@@ -277,8 +272,3 @@ class S3Server(Process):
             raise RuntimeError("a local S3 endpoint needs moto[server] (pip install 'moto[server]')")
         super().start(timeout_s)
         return self
-
-    def stop(self, timeout_s: float = 10.0) -> int | None:
-        status = stop_process(self.proc, timeout_s)
-        self.proc = None
-        return status

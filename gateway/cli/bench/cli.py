@@ -226,14 +226,33 @@ if __name__ == "__main__":
     show_default=True,
     help="Folder for peers.md and peers.json.",
 )
+@click.option("--workloads", "keys", default="W1,W2,W3,W4", show_default=True, help="Comma-separated subset of W1, W2, W3, W4.")
+@click.option("--concurrency", "concurrencies", default="1,4", show_default=True, help="Comma-separated client concurrencies.")
 @click.pass_context
 def bench_peers_command(
-    ctx: click.Context, llama_server: Path | None, model_path: Path | None, threads: int, n_ctx: int, out: Path
+    ctx: click.Context,
+    llama_server: Path | None,
+    model_path: Path | None,
+    threads: int,
+    n_ctx: int,
+    out: Path,
+    keys: str,
+    concurrencies: str,
 ) -> None:
-    """kvpool beside llama.cpp's llama-server (1 slot, 4 slots, 2 round-robin), over HTTP, on W1 and W3 at concurrency 1 and 4."""
+    """kvpool beside llama.cpp's llama-server (1 slot, 4 slots, 2 round-robin), over HTTP, on W1-W4 at concurrency 1 and 4."""
     import logging
 
-    from gateway.cli.bench.peers import report, run_peers
+    from gateway.cli.bench.peer_workloads import KEYS
+    from gateway.cli.bench.peers import run_peers
+    from gateway.cli.bench.peers_report import report
+
+    chosen = tuple(k.strip() for k in keys.split(",") if k.strip())
+    if not chosen or set(chosen) - set(KEYS):
+        raise click.BadParameter(f"choose from {', '.join(KEYS)}", param_hint="--workloads")
+    try:
+        concs = tuple(int(c) for c in concurrencies.split(","))
+    except ValueError:
+        raise click.BadParameter("whole numbers, e.g. 1,4", param_hint="--concurrency") from None
     from worker.packaged import DEFAULT_MODEL, ensure_packaged
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -242,8 +261,9 @@ def bench_peers_command(
     logs = out / "peer-logs"
     logs.mkdir(exist_ok=True)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    name = model.name.removesuffix(".gguf")
     doc = run_peers(
-        llama_server, model, model.name.removesuffix(".gguf"), Path.cwd(), threads=threads, n_ctx=n_ctx, logs=logs, echo=click.echo
+        llama_server, model, name, Path.cwd(), threads=threads, n_ctx=n_ctx, logs=logs, echo=click.echo, keys=chosen, concurrencies=concs
     )
     (out / "peers.json").write_text(json.dumps(doc, indent=1))
     (out / "peers.md").write_text(report(doc, _command_line(ctx).replace("kvpool bench", "kvpool bench-peers", 1)))

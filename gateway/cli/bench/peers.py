@@ -13,10 +13,8 @@ Systems:
 * ``kvpool 1w x 2t`` and ``kvpool 2w x 1t``: ``kvpool up``'s pool (managed Redis,
   folder store, gateway) with one worker of all threads, or two of half each.
 
-Workloads, as chat requests on the real model:
-
-* ``W1`` a long shared system prompt and distinct questions;
-* ``W3`` several documents, each asked several questions, the documents alternating.
+Workloads: `peer_workloads` (W1 to W4, chat requests of real text). The report is
+`peers_report`.
 """
 
 from __future__ import annotations
@@ -34,17 +32,8 @@ from pathlib import Path
 
 import httpx
 
+from gateway.cli.bench.peer_workloads import KEYS, Workload, chat_body, workloads
 from gateway.cli.procs import LlamaServer, free_port
-
-MAX_TOKENS = 32
-
-
-@dataclass(frozen=True)
-class Workload:
-    key: str
-    title: str
-    bodies: tuple[str, ...]
-    """JSON request bodies (chat, streaming), in the order they are sent."""
 
 
 @dataclass
@@ -67,35 +56,6 @@ class RunResult:
     def ttft_p95(self) -> float:
         xs = sorted(self.ttft_s)
         return xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]
-
-
-def _text(repo: Path) -> list[str]:
-    words: list[str] = []
-    for path in [repo / "README.md", *sorted((repo / "docs").rglob("*.md"))]:
-        words += path.read_text().split()
-    return words
-
-
-def _chat(model: str, system: str, question: str, max_tokens: int = MAX_TOKENS) -> str:
-    body = {
-        "model": model,
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    return json.dumps(body)
-
-
-def workloads(repo: Path, model: str, *, prefix_words: int = 1100, doc_words: int = 450) -> list[Workload]:
-    words = _text(repo)
-    shared = " ".join(words[:prefix_words])
-    w1 = tuple(_chat(model, shared, f"In one sentence: what does part {i + 1} of this text say?") for i in range(12))
-    docs = [" ".join(words[prefix_words + i * doc_words : prefix_words + (i + 1) * doc_words]) for i in range(4)]
-    asks = ["Summarise this document.", "Name one tool it mentions.", "What problem does it solve?", "Who would use it?"]
-    w3 = tuple(_chat(model, doc, q) for q in asks for doc in docs)
-    return [Workload("W1", "shared system prompt, 12 questions", w1), Workload("W3", "4 documents x 4 questions, alternating", w3)]
 
 
 @dataclass
@@ -128,12 +88,10 @@ def _stream(client: httpx.Client, url: str, body: str) -> Reply:
     return Reply(ttft, text, usage.get("prompt_tokens", 0), cached, usage.get("completion_tokens", 0))
 
 
-def run_workload(system: str, urls: list[str], wl: Workload, concurrency: int) -> RunResult:
-    """Send ``wl``'s requests with ``concurrency`` clients; requests go to ``urls`` in turn."""
-    out = RunResult(system, wl.key, concurrency, 0.0)
-    answers: list[str] = [""] * len(wl.bodies)
-    ttfts: list[float] = [0.0] * len(wl.bodies)
-    next_i = iter(range(len(wl.bodies)))
+def _send(urls: list[str], bodies: list[str], first: int, concurrency: int, out: RunResult) -> list[Reply]:
+    """Send ``bodies`` with ``concurrency`` clients; request ``first + i`` goes to ``urls[(first + i) % len(urls)]``."""
+    replies: list[Reply | None] = [None] * len(bodies)
+    next_i = iter(range(len(bodies)))
     lock = threading.Lock()
 
     def client() -> None:
@@ -143,21 +101,40 @@ def run_workload(system: str, urls: list[str], wl: Workload, concurrency: int) -
             if i is None:
                 return
             with httpx.Client(timeout=600) as c:  # a connection per request: llama-server's HTTP server caps keep-alive
-                reply = _stream(c, urls[i % len(urls)], wl.bodies[i])
-            ttfts[i], answers[i] = reply.ttft_s, reply.text
-            with lock:
-                out.prompt_tokens += reply.prompt
-                out.cached_tokens += reply.cached
-                out.completion_tokens += reply.completion
+                replies[i] = _stream(c, urls[(first + i) % len(urls)], bodies[i])
 
-    t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    done = [r for r in replies if r is not None]
+    assert len(done) == len(bodies), "a client thread failed"
+    for r in done:
+        out.ttft_s.append(r.ttft_s)
+        out.answers.append(r.text)
+        out.prompt_tokens += r.prompt
+        out.cached_tokens += r.cached
+        out.completion_tokens += r.completion
+    return done
+
+
+def run_workload(system: str, urls: list[str], wl: Workload, concurrency: int) -> RunResult:
+    """Send ``wl``'s requests with ``concurrency`` clients; requests go to ``urls`` in turn.
+
+    A chat workload is sent one turn at a time: the next turn of every chat once the
+    previous turn of every chat is answered, with the answers the system gave.
+    """
+    out = RunResult(system, wl.key, concurrency, 0.0)
+    t0 = time.perf_counter()
+    if wl.bodies:
+        _send(urls, list(wl.bodies), 0, concurrency, out)
+    answers: list[list[str]] = [[] for _ in wl.chats]
+    for turn in range(max((len(c.questions) for c in wl.chats), default=0)):
+        bodies = [c.body(answers[i]) for i, c in enumerate(wl.chats)]
+        for i, reply in enumerate(_send(urls, bodies, turn * len(wl.chats), concurrency, out)):
+            answers[i].append(reply.text)
     out.wall_s = time.perf_counter() - t0
-    out.ttft_s, out.answers = ttfts, answers
     return out
 
 
@@ -213,77 +190,59 @@ def systems(binary: Path | None, model: Path, *, threads: int, n_ctx: int, logs:
 def decode_run(system: str, urls: list[str], model: str, *, requests: int = 8, concurrency: int = 4, max_tokens: int = 128) -> RunResult:
     """Decode throughput: short prompts, long answers; tokens are counted from each reply's usage."""
     bodies = tuple(
-        _chat(model, "You are a storyteller.", f"Tell story number {i + 1} about a lighthouse keeper.", max_tokens) for i in range(requests)
+        chat_body(model, "You are a storyteller.", f"Tell story number {i + 1} about a lighthouse keeper.", max_tokens)
+        for i in range(requests)
     )
     return run_workload(system, urls, Workload("decode", f"{requests} x {max_tokens} tokens", bodies), concurrency)
 
 
+def _warm_up(urls: list[str], model: str) -> None:
+    """One unrelated request per server, so no system pays its first-request costs inside a measurement."""
+    for url in urls:
+        with httpx.Client(timeout=600) as c:
+            _stream(c, url, chat_body(model, "You are terse.", "Say hello."))
+
+
 def run_peers(
-    binary: Path | None, model: Path, model_name: str, repo: Path, *, threads: int, n_ctx: int, logs: Path, echo: Callable[[str], None]
+    binary: Path | None,
+    model: Path,
+    model_name: str,
+    repo: Path,
+    *,
+    threads: int,
+    n_ctx: int,
+    logs: Path,
+    echo: Callable[[str], None],
+    keys: tuple[str, ...] = KEYS,
+    concurrencies: tuple[int, ...] = (1, 4),
 ) -> dict[str, object]:
+    """Every system on every workload and concurrency, each started afresh (empty caches), then decode throughput."""
     results: list[RunResult] = []
     decode: list[dict[str, object]] = []
-    wls = workloads(repo, model_name)
-    warm = _chat(model_name, "You are terse.", "Say hello.")
+    wls = workloads(repo, model_name, keys)
     for name, start in systems(binary, model, threads=threads, n_ctx=n_ctx, logs=logs).items():
         for wl in wls:
-            for conc in (1, 4):
+            for conc in concurrencies:
                 with start() as urls:  # type: ignore[attr-defined]
-                    for url in urls:
-                        with httpx.Client(timeout=600) as c:
-                            _stream(c, url, warm)
+                    _warm_up(urls, model_name)
                     r = run_workload(name, urls, wl, conc)
                 results.append(r)
                 echo(
-                    f"{name:32s} {wl.key} c={conc}: wall {r.wall_s:6.2f} s, TTFT p50 {r.ttft_p50 * 1000:7.1f} ms, cached {r.cached_tokens}/{r.prompt_tokens}"
+                    f"{name:30s} {wl.key} c={conc}: wall {r.wall_s:6.2f} s, TTFT p50 {r.ttft_p50 * 1000:7.1f} ms, "
+                    f"cached {r.cached_tokens}/{r.prompt_tokens}, completion {r.completion_tokens}"
                 )
         with start() as urls:  # type: ignore[attr-defined]
-            for url in urls:
-                with httpx.Client(timeout=600) as c:
-                    _stream(c, url, warm)
+            _warm_up(urls, model_name)
             d = decode_run(name, urls, model_name)
         decode.append(
             {"system": name, "wall_s": d.wall_s, "completion_tokens": d.completion_tokens, "tokens_per_s": d.completion_tokens / d.wall_s}
         )
-        echo(f"{name:32s} decode: {d.completion_tokens} tokens in {d.wall_s:6.2f} s ({d.completion_tokens / d.wall_s:.0f} tokens/s)")
+        echo(f"{name:30s} decode: {d.completion_tokens} tokens in {d.wall_s:6.2f} s ({d.completion_tokens / d.wall_s:.0f} tokens/s)")
     return {
         "threads": threads,
         "n_ctx": n_ctx,
         "model": model_name,
+        "workloads": {w.key: w.title for w in wls},
         "runs": [asdict(r) | {"ttft_p50": r.ttft_p50, "ttft_p95": r.ttft_p95} for r in results],
         "decode": decode,
     }
-
-
-def report(doc: dict[str, object], command: str) -> str:
-    """Markdown: one table per workload and concurrency, with ratios to llama-server's single slot."""
-    runs = doc["runs"]  # type: ignore[index]
-    lines = [
-        f"Model {doc['model']}, {doc['threads']} threads in all per system, context {doc['n_ctx']} per slot.",
-        "",
-        f"Command: `{command}`",
-        "",
-    ]
-    for key in sorted({r["workload"] for r in runs}):  # type: ignore[index]
-        for conc in (1, 4):
-            rows = [r for r in runs if r["workload"] == key and r["concurrency"] == conc]  # type: ignore[index]
-            base = next((r for r in rows if r["system"] == "llama-server 1 slot"), None)
-            lines += [
-                f"### {key}, concurrency {conc}",
-                "",
-                "| system | wall s | TTFT p50 ms | TTFT p95 ms | cached / prompt tokens | wall vs llama-server 1 slot | TTFT p50 vs llama-server 1 slot |",
-                "|---|---|---|---|---|---|---|",
-            ]
-            for r in rows:
-                ratio = (f"{base['wall_s'] / r['wall_s']:.2f}x", f"{base['ttft_p50'] / r['ttft_p50']:.2f}x") if base else ("-", "-")
-                lines.append(
-                    f"| {r['system']} | {r['wall_s']:.2f} | {r['ttft_p50'] * 1000:.0f} | {r['ttft_p95'] * 1000:.0f} | "
-                    f"{r['cached_tokens']} / {r['prompt_tokens']} | {ratio[0]} | {ratio[1]} |"
-                )
-            lines.append("")
-    lines += ["### decode, 8 requests at concurrency 4", "", "| system | tokens | wall s | tokens/s |", "|---|---|---|---|"]
-    for d in doc["decode"]:  # type: ignore[union-attr]
-        lines.append(f"| {d['system']} | {d['completion_tokens']} | {d['wall_s']:.2f} | {d['tokens_per_s']:.0f} |")
-    lines.append("")
-    lines.append("Ratios above 1 mean faster than llama-server with one slot.")
-    return "\n".join(lines) + "\n"

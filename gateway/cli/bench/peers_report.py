@@ -1,0 +1,104 @@
+"""The Markdown report of ``kvpool bench-peers``: a table per workload and concurrency, then the targets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+BASE = "llama-server 1 slot"
+Run = dict[str, Any]
+
+
+def _find(runs: list[Run], system: str, workload: str, conc: int) -> Run | None:
+    """The run of the system whose name starts with ``system``."""
+    return next((r for r in runs if r["system"].startswith(system) and r["workload"] == workload and r["concurrency"] == conc), None)
+
+
+def _same_answers(run: Run, base: Run | None) -> str:
+    if base is None or len(base["answers"]) != len(run["answers"]):
+        return "-"
+    return f"{sum(a == b for a, b in zip(run['answers'], base['answers']))} / {len(run['answers'])}"
+
+
+def _table(runs: list[Run], key: str, conc: int, title: str) -> list[str]:
+    rows = [r for r in runs if r["workload"] == key and r["concurrency"] == conc]
+    base = _find(runs, BASE, key, conc)
+    out = [
+        f"### {key}, concurrency {conc}: {title}",
+        "",
+        "| system | wall s | TTFT p50 ms | TTFT p95 ms | cached / prompt tokens | completion tokens | answers as llama-server 1 slot's "
+        "| wall vs llama-server 1 slot | TTFT p50 vs llama-server 1 slot |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = (f"{base['wall_s'] / r['wall_s']:.2f}x", f"{base['ttft_p50'] / r['ttft_p50']:.2f}x") if base else ("-", "-")
+        out.append(
+            f"| {r['system']} | {r['wall_s']:.2f} | {r['ttft_p50'] * 1000:.0f} | {r['ttft_p95'] * 1000:.0f} | "
+            f"{r['cached_tokens']} / {r['prompt_tokens']} | {r['completion_tokens']} | {_same_answers(r, base)} | {ratio[0]} | {ratio[1]} |"
+        )
+    return [*out, ""]
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def _targets(runs: list[Run], decode: list[Run], keys: list[str]) -> list[str]:
+    """The benchmark's targets, each with the figures it rests on."""
+    out = ["### Targets", "", "| target | measured | result |", "|---|---|---|"]
+    for key in keys:
+        base, kv = _find(runs, BASE, key, 1), _find(runs, "kvpool 1w", key, 1)
+        if base and kv:
+            wall, ttft = kv["wall_s"] / base["wall_s"], kv["ttft_p50"] / base["ttft_p50"]
+            out.append(
+                f"| {key} c=1: kvpool 1 worker within 1.05x of llama-server 1 slot (wall and TTFT p50) "
+                f"| kvpool's time over llama-server's: wall {wall:.2f}x ({kv['wall_s']:.1f} vs {base['wall_s']:.1f} s), TTFT p50 {ttft:.2f}x "
+                f"({kv['ttft_p50'] * 1e3:.0f} vs {base['ttft_p50'] * 1e3:.0f} ms) | {_verdict(wall <= 1.05 and ttft <= 1.05)} |"
+            )
+    for key in ("W1", "W3"):
+        slots, kv = _find(runs, "llama-server 4 slots", key, 4), _find(runs, "kvpool 2w", key, 4)
+        if slots and kv:
+            x = slots["wall_s"] / kv["wall_s"]
+            out.append(
+                f"| {key} c=4: kvpool 2 workers at least as fast as llama-server 4 slots "
+                f"| {x:.2f}x as fast ({kv['wall_s']:.1f} vs {slots['wall_s']:.1f} s) | {_verdict(x >= 1)} |"
+            )
+    rr, kv = _find(runs, "2 llama-servers", "W3", 1), _find(runs, "kvpool 2w", "W3", 1)
+    if rr and kv:
+        x = rr["wall_s"] / kv["wall_s"]
+        out.append(
+            f"| W3 c=1: kvpool 2 workers at least 2x faster than 2 round-robin llama-servers "
+            f"| {x:.2f}x as fast ({kv['wall_s']:.1f} vs {rr['wall_s']:.1f} s) | {_verdict(x >= 2)} |"
+        )
+    d_base = next((d for d in decode if d["system"] == BASE), None)
+    d_kv = next((d for d in decode if d["system"].startswith("kvpool 1w")), None)
+    if d_base and d_kv:
+        x = d_kv["tokens_per_s"] / d_base["tokens_per_s"]
+        out.append(
+            f"| decode: kvpool 1 worker at least llama-server 1 slot's tokens/s "
+            f"| {x:.2f}x ({d_kv['tokens_per_s']:.0f} vs {d_base['tokens_per_s']:.0f} tokens/s) | {_verdict(x >= 1)} |"
+        )
+    return [*out, ""]
+
+
+def report(doc: dict[str, Any], command: str) -> str:
+    runs: list[Run] = doc["runs"]
+    titles: dict[str, str] = doc.get("workloads", {})
+    keys = sorted({r["workload"] for r in runs})
+    lines = [
+        f"Model {doc['model']}, {doc['threads']} threads in all per system, context {doc['n_ctx']} per slot or worker.",
+        "",
+        f"Command: `{command}`",
+        "",
+    ]
+    for key in keys:
+        for conc in sorted({r["concurrency"] for r in runs if r["workload"] == key}):
+            lines += _table(runs, key, conc, titles.get(key, ""))
+    lines += ["### decode, 8 requests at concurrency 4", "", "| system | tokens | wall s | tokens/s |", "|---|---|---|---|"]
+    for d in doc["decode"]:
+        lines.append(f"| {d['system']} | {d['completion_tokens']} | {d['wall_s']:.2f} | {d['tokens_per_s']:.0f} |")
+    lines += ["", *_targets(runs, doc["decode"], keys)]
+    lines.append(
+        "Ratios above 1 mean faster than llama-server with one slot. Wall times include generation, "
+        "so a system that answers with fewer tokens (see the completion column) finishes sooner for that reason alone."
+    )
+    return "\n".join(lines) + "\n"
