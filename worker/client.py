@@ -51,9 +51,10 @@ def parse_event(fields: dict[bytes, bytes]) -> Event:
     return _EVENT.validate_python(json.loads(fields[b"e"]))
 
 
-def _entries(batch: list[Any]) -> list[tuple[bytes, Event]]:
-    """The (entry id, event) pairs of one XREAD reply for one stream."""
-    return [(entry_id, parse_event(fields)) for entry_id, fields in batch[0][1]]
+def _entries(batch: list[Any]) -> tuple[bytes, list[Event]]:
+    """The last entry id and the events of one XREAD reply for one stream."""
+    entries = batch[0][1]
+    return entries[-1][0], [parse_event(fields) for _, fields in entries]
 
 
 def events(conn: redis.Redis, job_id: str, *, timeout_s: float = 600.0, block_ms: int = 1000) -> Iterator[Event]:
@@ -70,9 +71,8 @@ def events(conn: redis.Redis, job_id: str, *, timeout_s: float = 600.0, block_ms
                 raise TimeoutError(f"no event from job {job_id} for {timeout_s:.0f} s")
             continue
         deadline = time.monotonic() + timeout_s
-        entries = _entries(batch)
-        last = entries[-1][0]
-        for _, event in entries:
+        last, found = _entries(batch)
+        for event in found:
             yield event
             if _final(event):
                 return
@@ -96,9 +96,8 @@ async def aevents(conn: redis.asyncio.Redis, job_id: str, *, block_ms: int = 100
         if not batch:
             yield None
             continue
-        entries = _entries(batch)
-        last = entries[-1][0]
-        for _, event in entries:
+        last, found = _entries(batch)
+        for event in found:
             yield event
             if _final(event):
                 return

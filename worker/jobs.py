@@ -94,6 +94,7 @@ def run_job(spec: dict) -> dict:
         log.exception("job.failed", extra={"job": job.id, "retrying": retrying})
         raise
     stream.send(DoneEvent(result=result))
+    engine.after_answer()
     engine.settle(
         lambda: jobs_waiting(job.connection, [worker_queue(engine.name), engine.settings.queue]) or pool_busy(job.connection, engine.name)
     )

@@ -304,6 +304,18 @@ def _fake_command(folder: Path, name: str, body: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
+def _run_script(shell: str, service: dict[str, Any], env: dict[str, str], fakes: Path) -> subprocess.CompletedProcess[str]:
+    """The service's script under ``shell``, with the stand-in commands in ``fakes`` first on the PATH."""
+    return subprocess.run(
+        [shell, "-c", _script(service)],
+        env={**env, "PATH": f"{fakes}:/usr/bin:/bin"},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
 SHELLS = ["sh"] + (["bash"] if shutil.which("bash") else [])  # sh: python:3.11-slim's dash; bash: the mc image's
 
 
@@ -363,14 +375,7 @@ def test_createbucket_job(shell: str, store_url: str, services: dict[str, Any], 
         env["KVPOOL_STORE_URL"] = store_url
     log = tmp_path / "mc.log"
     _fake_command(tmp_path, "mc", f'echo "$*" >>{log}\nif [ "$1" = ilm ]; then cat >{tmp_path}/lifecycle.json; fi\n')
-    r = subprocess.run(
-        [shell, "-c", _script(job)],
-        env={**env, "PATH": f"{tmp_path}:/usr/bin:/bin"},
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    r = _run_script(shell, job, env, tmp_path)
     assert r.returncode == 0, r.stderr
 
     bucket, _, prefix = env["KVPOOL_STORE_URL"].removeprefix("s3://").partition("/")
@@ -394,24 +399,10 @@ def test_createbucket_job_survives_a_failed_lifecycle_rule(shell: str, services:
     """An S3 server without lifecycle support does not stop the stack; a failed bucket creation does."""
     job = services["createbucket"]
     _fake_command(tmp_path, "mc", 'if [ "$1" = ilm ]; then exit 1; fi\n')
-    r = subprocess.run(
-        [shell, "-c", _script(job)],
-        env={**df.environment(job), "PATH": f"{tmp_path}:/usr/bin:/bin"},
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    r = _run_script(shell, job, df.environment(job), tmp_path)
     assert r.returncode == 0 and "warning" in r.stderr
     _fake_command(tmp_path, "mc", 'if [ "$1" = mb ]; then exit 1; fi\n')
-    r = subprocess.run(
-        [shell, "-c", _script(job)],
-        env={**df.environment(job), "PATH": f"{tmp_path}:/usr/bin:/bin"},
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    r = _run_script(shell, job, df.environment(job), tmp_path)
     assert r.returncode != 0
 
 

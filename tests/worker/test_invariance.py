@@ -63,10 +63,10 @@ class Runner:
             model=self.engine.fingerprint,
             chunk_size=CHUNK,
             sampling=SamplingParams(max_tokens=CONTINUATION, temperature=0.0, top_k=1),
-            wait_for_publish=True,
         )
         result = self.engine.run(spec, emit)
-        self.engine.settle(job_waiting)  # as the worker does once the answer is out
+        self.engine.after_answer()  # as the worker does once the answer is out
+        self.engine.settle(job_waiting)
         if self.engine.publisher is not None:
             assert self.engine.publisher.wait_idle(), "publishing did not finish"
         assert seen, "no token was generated"

@@ -16,7 +16,7 @@ from gateway.cli.procs import RedisServer, WorkerProcess
 from tests.conftest import prompt_text
 from tests.worker.conftest import PoolClient
 from worker.advert import adverts
-from worker.protocol import worker_queue
+from worker.protocol import stream_key, worker_queue
 
 KVPOOL = str(Path(sys.executable).parent / "kvpool")
 
@@ -31,14 +31,20 @@ def test_a_killed_worker_starts_again_at_once_under_its_name(start_worker, clien
     assert client.run(prompt, worker="w1").worker == "w1"
 
 
-def test_a_worker_killed_mid_job_hands_the_job_on(start_worker, client: PoolClient) -> None:
-    w1 = start_worker("w1")
+def _long_job_under_way(client: PoolClient, seed: int) -> str:
+    """A job for w1 that never meets its end-of-text token, once w1 is streaming its tokens."""
     never_stop = {client.vocab.token_eos(): -100.0}
-    job = client.submit(client.spec(client.tokens(prompt_text(22, 40)), max_tokens=1500, logit_bias=never_stop), worker="w1")
+    job = client.submit(client.spec(client.tokens(prompt_text(seed, 40)), max_tokens=1500, logit_bias=never_stop), worker="w1")
     deadline = time.monotonic() + 30
-    while not client.conn.xlen(f"kvpool:stream:{job}") > 3:
+    while not client.conn.xlen(stream_key(job)) > 3:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    return job
+
+
+def test_a_worker_killed_mid_job_hands_the_job_on(start_worker, client: PoolClient) -> None:
+    w1 = start_worker("w1")
+    job = _long_job_under_way(client, 22)
     w1.kill()
     start_worker("w1")
     out = client.collect(job, timeout_s=60)
@@ -79,12 +85,7 @@ def test_a_worker_rides_out_a_redis_restart(pool_env, tiny_model, tmp_path: Path
 def test_a_worker_stopped_with_jobs_in_its_own_queue_hands_them_to_the_shared_queue(start_worker, client: PoolClient) -> None:
     """SIGTERM finishes the job in hand; what was routed to this worker behind it must not wait for a worker that is gone."""
     w1 = start_worker("w1")
-    never_stop = {client.vocab.token_eos(): -100.0}
-    running = client.submit(client.spec(client.tokens(prompt_text(24, 40)), max_tokens=1500, logit_bias=never_stop), worker="w1")
-    deadline = time.monotonic() + 30
-    while not client.conn.xlen(f"kvpool:stream:{running}") > 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    running = _long_job_under_way(client, 24)
     waiting = client.submit(client.spec(client.tokens(prompt_text(25, 40))), worker="w1")
     assert w1.stop(timeout_s=120) == 0
     assert client.collect(running, timeout_s=5).result is not None, "warm shutdown: the job in hand finished"
