@@ -345,8 +345,8 @@ class Engine(PrefixFinder):
             return
         try:
             state = read_seq_state(self.llm)
-        except StateReadError as e:
-            metrics.PUBLISH_ERRORS.labels(**self.labels, reason="StateReadError").inc()
+        except Exception as e:  # the answer is already out: never fail the job for this
+            metrics.PUBLISH_ERRORS.labels(**self.labels, reason=type(e).__name__).inc()
             log.warning("publish.snapshot_failed", extra={"reason": str(e)})
             return
         self.publisher.submit(*deferred, state)

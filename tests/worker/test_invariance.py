@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from gateway.cli.procs import S3Server
+from store.chain import tail_key
 from store.store import Store
 from tests.conftest import s3_settings
 from worker.engine import Engine
@@ -210,3 +211,22 @@ def test_batch_sizes_never_end_on_a_lone_token(n: int, n_batch: int, sizes: list
 def test_batches_of_under_three_tokens_are_refused() -> None:
     with pytest.raises(ValueError):
         batch_sizes(10, 2)
+
+
+def test_a_tail_alone_is_copied_only_once_the_answer_is_out(runners: dict[str, Runner], document: list[int]) -> None:
+    """Full chunks go out at the first token; a prompt that adds only a tail leaves the state copy for after the answer."""
+    runner = runners["reuse"]
+    engine = runner.engine
+    assert engine.publisher is not None
+    runner.ask(document[: 2 * CHUNK + 10])  # both full chunks are in the store now
+    prompt = document[: 2 * CHUNK + 40]
+    ns = engine.namespace("")
+    keys = ns.chain(prompt)
+    tail = tail_key(ns.parent_of(keys, len(keys)), prompt[len(keys) * CHUNK :])
+    spec = job_spec(prompt, model=engine.fingerprint, chunk_size=CHUNK, sampling=SamplingParams(max_tokens=2, temperature=0.0))
+    engine.run(spec, lambda _: True)
+    assert engine.publisher.wait_idle()
+    assert engine.publisher.store.index.present([tail]) == [False], "nothing was copied on the token path"
+    engine.after_answer()
+    assert engine.publisher.wait_idle()
+    assert engine.publisher.store.index.present([tail]) == [True]
