@@ -8,6 +8,7 @@ import signal
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import click
 
@@ -228,6 +229,12 @@ if __name__ == "__main__":
 )
 @click.option("--workloads", "keys", default="W1,W2,W3,W4", show_default=True, help="Comma-separated subset of W1, W2, W3, W4.")
 @click.option("--concurrency", "concurrencies", default="1,4", show_default=True, help="Comma-separated client concurrencies.")
+@click.option(
+    "--from-json",
+    "from_json",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Skip the run: rewrite peers.md and the plot from an earlier peers.json (into --out).",
+)
 @click.pass_context
 def bench_peers_command(
     ctx: click.Context,
@@ -238,26 +245,20 @@ def bench_peers_command(
     out: Path,
     keys: str,
     concurrencies: str,
+    from_json: Path | None,
 ) -> None:
     """kvpool beside llama.cpp's llama-server (1 slot, 4 slots, 2 round-robin), over HTTP, on W1-W4 at concurrency 1 and 4."""
     import logging
 
-    from gateway.cli.bench.peer_workloads import KEYS
     from gateway.cli.bench.peers import run_peers
-    from gateway.cli.bench.peers_report import report
-
-    chosen = tuple(k.strip() for k in keys.split(",") if k.strip())
-    if not chosen or set(chosen) - set(KEYS):
-        raise click.BadParameter(f"choose from {', '.join(KEYS)}", param_hint="--workloads")
-    try:
-        concs = tuple(int(c) for c in concurrencies.split(","))
-    except ValueError:
-        raise click.BadParameter("whole numbers, e.g. 1,4", param_hint="--concurrency") from None
     from worker.packaged import DEFAULT_MODEL, ensure_packaged
 
+    out.mkdir(parents=True, exist_ok=True)
+    if from_json is not None:
+        return _write_peers(out, json.loads(from_json.read_text()))
+    chosen, concs = _peer_choices(keys, concurrencies)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     model = model_path or ensure_packaged(DEFAULT_MODEL, DEFAULT_MODEL_DIR)
-    out.mkdir(parents=True, exist_ok=True)
     logs = out / "peer-logs"
     logs.mkdir(exist_ok=True)
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -265,6 +266,27 @@ def bench_peers_command(
     doc = run_peers(
         llama_server, model, name, Path.cwd(), threads=threads, n_ctx=n_ctx, logs=logs, echo=click.echo, keys=chosen, concurrencies=concs
     )
+    doc["command"] = _command_line(ctx).replace("kvpool bench", "kvpool bench-peers", 1)
+    _write_peers(out, doc)
+
+
+def _peer_choices(keys: str, concurrencies: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    from gateway.cli.bench.peer_workloads import KEYS
+
+    chosen = tuple(k.strip() for k in keys.split(",") if k.strip())
+    if not chosen or set(chosen) - set(KEYS):
+        raise click.BadParameter(f"choose from {', '.join(KEYS)}", param_hint="--workloads")
+    try:
+        return chosen, tuple(int(c) for c in concurrencies.split(","))
+    except ValueError:
+        raise click.BadParameter("whole numbers, e.g. 1,4", param_hint="--concurrency") from None
+
+
+def _write_peers(out: Path, doc: dict[str, Any]) -> None:
+    from gateway.cli.bench.peers_plots import plot
+    from gateway.cli.bench.peers_report import report
+
     (out / "peers.json").write_text(json.dumps(doc, indent=1))
-    (out / "peers.md").write_text(report(doc, _command_line(ctx).replace("kvpool bench", "kvpool bench-peers", 1)))
-    click.echo(f"wrote {out / 'peers.md'} and {out / 'peers.json'}")
+    plots = plot(doc, out)
+    (out / "peers.md").write_text(report(doc, doc.get("command", "kvpool bench-peers"), plots))
+    click.echo(f"wrote {', '.join(str(out / f) for f in ['peers.md', 'peers.json', *plots])}")

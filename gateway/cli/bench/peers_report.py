@@ -80,7 +80,7 @@ def _targets(runs: list[Run], decode: list[Run], keys: list[str]) -> list[str]:
     return [*out, ""]
 
 
-def report(doc: dict[str, Any], command: str) -> str:
+def report(doc: dict[str, Any], command: str, plots: list[str] | tuple[str, ...] = ()) -> str:
     runs: list[Run] = doc["runs"]
     titles: dict[str, str] = doc.get("workloads", {})
     keys = sorted({r["workload"] for r in runs})
@@ -89,6 +89,7 @@ def report(doc: dict[str, Any], command: str) -> str:
         "",
         f"Command: `{command}`",
         "",
+        *[f"![{name}]({name})\n" for name in plots],
     ]
     for key in keys:
         for conc in sorted({r["concurrency"] for r in runs if r["workload"] == key}):

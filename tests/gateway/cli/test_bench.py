@@ -118,3 +118,45 @@ def test_the_report_can_be_rewritten_from_its_json(quick_results: tuple[Path, st
     assert result.exit_code == 0, result.output
     assert (tmp_path / "report.md").read_text() == (out / "report.md").read_text()
     assert (tmp_path / "ttft.png").exists() and (tmp_path / "tokens.png").exists()
+
+
+def test_bench_peers_rewrites_its_report_and_plot_from_json(tmp_path: Path) -> None:
+    """The report judges each target from the runs; a missing peer leaves its targets out rather than guessing."""
+    from gateway.cli.bench.cli import bench_peers_command
+
+    def run(system: str, workload: str, conc: int, wall: float, ttft: float) -> dict[str, object]:
+        return {
+            "system": system,
+            "workload": workload,
+            "concurrency": conc,
+            "wall_s": wall,
+            "ttft_s": [ttft],
+            "ttft_p50": ttft,
+            "ttft_p95": ttft,
+            "prompt_tokens": 100,
+            "cached_tokens": 50,
+            "completion_tokens": 32,
+            "answers": ["a"],
+        }
+
+    doc = {
+        "model": "m",
+        "threads": 2,
+        "n_ctx": 4096,
+        "command": "kvpool bench-peers --model m.gguf",
+        "runs": [run("llama-server 1 slot", "W1", 1, 10.0, 0.2), run("kvpool 1w x 2t", "W1", 1, 10.4, 0.1)],
+        "decode": [{"system": "llama-server 1 slot", "wall_s": 1.0, "completion_tokens": 100, "tokens_per_s": 100.0}],
+    }
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps(doc))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(bench_peers_command, ["--from-json", str(src), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    md = (out / "peers.md").read_text()
+    assert "Command: `kvpool bench-peers --model m.gguf`" in md
+    assert (
+        "| W1 c=1: kvpool 1 worker within 1.05x of llama-server 1 slot (wall and TTFT p50) | kvpool's time over llama-server's: wall 1.04x"
+        in md
+    )
+    assert "| met |" in md and "2 round-robin" not in md.split("### Targets")[1] and "decode: kvpool" not in md
+    assert (out / "peers.png").stat().st_size > 0 and "![peers.png](peers.png)" in md
