@@ -117,7 +117,9 @@ class Engine(PrefixFinder):
         metrics.INFO.info({**self.labels, "restore": str(self.restore_enabled).lower(), "worker": name})
         self.publisher = Publisher(store, settings.publish_queue, self.labels) if store and settings.publish else None
         self.eval_rate = EvalRate()
-        self.leases = Leases(store.index.r, name, settings.lease_s) if self.publisher and settings.coalesce else None
+        self.leases = (
+            Leases(store.index.r, name, settings.lease_s, settings.lease_wait_min_s) if self.publisher and settings.coalesce else None
+        )
 
     def namespace(self, tenant_salt: str) -> Namespace:
         """Where this worker's blobs live: the chain rooted in its KV layout."""

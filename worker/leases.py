@@ -94,10 +94,11 @@ class EvalRate:
 class Leases:
     """This worker's leases in one Redis, renewed by one background thread."""
 
-    def __init__(self, conn: redis.Redis, owner: str, lease_s: float) -> None:
+    def __init__(self, conn: redis.Redis, owner: str, lease_s: float, min_wait_s: float = 0.0) -> None:
         self.conn = conn
         self.owner = owner
         self.lease_ms = max(1, int(lease_s * 1000))
+        self.min_wait_s = min_wait_s
         self._claims: list[Claim] = []
         self._lock = threading.Lock()
         self._claim = conn.register_script(_CLAIM)

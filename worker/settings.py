@@ -54,6 +54,13 @@ class WorkerSettings(StoreSettings):
     lease_s: float = Field(
         5.0, gt=0, le=300, description="How long a prefix lease lasts unless renewed (a dead holder frees its prefixes within this)."
     )
+    lease_wait_min_s: float = Field(
+        0.0,
+        ge=0,
+        le=300,
+        description="Wait at least this long for a prefix another worker is evaluating, even when evaluating it here looks quicker "
+        "(0: never longer than evaluating alone). Favours the pool's throughput over one request's latency.",
+    )
     publish_queue: int = Field(8, ge=1, description="Pending publish tasks before new ones are dropped.")
     self_check: bool = Field(True, description="Check at start-up that cut, rebuild and restore reproduce the cold logits.")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics on this port (0: any free port).")
