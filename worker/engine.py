@@ -45,7 +45,6 @@ from worker.leases import EvalRate, Leases
 from worker.llama_state import (
     CACHE_TYPE_NAMES,
     ContextCache,
-    StateReadError,
     batch_sizes,
     context_cache,
     evaluate_prompt,
@@ -312,11 +311,8 @@ class Engine(PrefixFinder):
         release = self._handoff(plan)
         if plan.store_tokens >= len(tokens):
             return release()
-        try:
-            state = read_seq_state(self.llm)
-        except StateReadError as e:
-            metrics.PUBLISH_ERRORS.labels(**self.labels, reason="StateReadError").inc()
-            log.warning("publish.snapshot_failed", extra={"reason": str(e)})
+        state = self._snapshot()
+        if state is None:
             return release()
         self.publisher.submit(ns, tokens, state, on_done=release)
 
@@ -345,13 +341,18 @@ class Engine(PrefixFinder):
         deferred, self._deferred = self._deferred, None
         if deferred is None or self.publisher is None:
             return
+        state = self._snapshot()
+        if state is not None:
+            self.publisher.submit(*deferred, state)
+
+    def _snapshot(self) -> bytearray | None:
+        """A copy of the sequence state for publishing, or None: publishing never fails a job."""
         try:
-            state = read_seq_state(self.llm)
-        except Exception as e:  # the answer is already out: never fail the job for this
+            return read_seq_state(self.llm)
+        except Exception as e:
             metrics.PUBLISH_ERRORS.labels(**self.labels, reason=type(e).__name__).inc()
             log.warning("publish.snapshot_failed", extra={"reason": str(e)})
-            return
-        self.publisher.submit(*deferred, state)
+            return None
 
     def _handoff(self, plan: Plan) -> Callable[[], None]:
         """Take the job's leases off the plan: whoever calls the result releases them, once."""
