@@ -11,9 +11,12 @@ one entry per event, each a single field ``e`` holding JSON:
 * ``{"type": "done", "result": {...JobResult...}}``
 * ``{"type": "error", "error": "...", "retrying": false}``
 
-The stream is trimmed to a bounded length and expires a while after its last entry.
-A client that goes away sets ``kvpool:cancel:<job id>``; the worker checks it at every
-token and stops within one.
+The first token is written as soon as it is sampled. Tokens that follow it within
+``KVPOOL_STREAM_INTERVAL_MS`` of the last write wait for the next write and go in one
+transaction, still one entry each, so a reader gets them in one reply
+(`worker.jobs.JobStream`). The stream is trimmed to a bounded length and expires a while
+after its last entry. A client that goes away sets ``kvpool:cancel:<job id>``; the worker
+checks it at every write and stops within that interval.
 """
 
 from __future__ import annotations

@@ -37,6 +37,13 @@ class WorkerSettings(StoreSettings):
     job_timeout_s: int = Field(600, ge=1, description="Longest a single job may run.")
     heartbeat_s: float = Field(2.0, gt=0, description="How often a busy worker proves it is alive.")
     stream_ttl_s: int = Field(300, ge=1, description="How long a job's token stream is kept after its last event.")
+    stream_interval_ms: float = Field(
+        30.0,
+        ge=0,
+        le=1000,
+        description="Write generated tokens to the job's stream at most this often; the tokens between go out together, "
+        "still one chunk each (0: each at once). The first token is never held.",
+    )
     publish: bool = Field(True, description="Publish newly evaluated chunks to the store.")
     settle_completions: bool = Field(
         True, description="After each answer, evaluate the completion as prompt so the next chat turn is served from cache, exactly."
