@@ -108,5 +108,5 @@ def job_exists(conn: redis.Redis, job_id: str) -> bool:
 
 
 def cancel(conn: redis.Redis, job_id: str, ttl_s: int = 600) -> None:
-    """Ask the worker to stop generating (within one token); a job still queued is dropped when it starts."""
+    """Ask the worker to stop generating (at its next write to the stream); a job still queued is dropped when it starts."""
     conn.set(cancel_key(job_id), 1, ex=ttl_s)

@@ -175,7 +175,7 @@ def test_a_worker_killed_mid_job_leaves_the_job_to_another(start_worker, client,
     assert out.result.usage.completion_tokens == 3000 - len(prompt) or out.result.finish_reason == "length"
 
 
-def test_cancellation_stops_within_a_token(start_worker, client) -> None:
+def test_cancellation_stops_at_the_next_stream_write_and_every_token_made_was_streamed(start_worker, client) -> None:
     start_worker("w1", KVPOOL_N_CTX="4096")
     job_id = client.submit(client.spec(long_job_prompt(client), **NO_EOS), worker="w1")
     from worker.client import events

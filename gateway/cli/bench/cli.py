@@ -230,6 +230,13 @@ if __name__ == "__main__":
 @click.option("--workloads", "keys", default="W1,W2,W3,W4", show_default=True, help="Comma-separated subset of W1, W2, W3, W4.")
 @click.option("--concurrency", "concurrencies", default="1,4", show_default=True, help="Comma-separated client concurrencies.")
 @click.option(
+    "--systems",
+    "names",
+    default="server-1,server-4,round-robin,kvpool-1w,kvpool-2w",
+    show_default=True,
+    help="Comma-separated subset of the systems (the server-* and round-robin ones need --llama-server).",
+)
+@click.option(
     "--from-json",
     "from_json",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -245,6 +252,7 @@ def bench_peers_command(
     out: Path,
     keys: str,
     concurrencies: str,
+    names: str,
     from_json: Path | None,
 ) -> None:
     """kvpool beside llama.cpp's llama-server (1 slot, 4 slots, 2 round-robin), over HTTP, on W1-W4 at concurrency 1 and 4."""
@@ -257,6 +265,7 @@ def bench_peers_command(
     if from_json is not None:
         return _write_peers(out, json.loads(from_json.read_text()))
     chosen, concs = _peer_choices(keys, concurrencies)
+    only = _peer_systems(names)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     model = model_path or ensure_packaged(DEFAULT_MODEL, DEFAULT_MODEL_DIR)
     logs = out / "peer-logs"
@@ -264,7 +273,17 @@ def bench_peers_command(
     signal.signal(signal.SIGTERM, _on_sigterm)
     name = model.name.removesuffix(".gguf")
     doc = run_peers(
-        llama_server, model, name, Path.cwd(), threads=threads, n_ctx=n_ctx, logs=logs, echo=click.echo, keys=chosen, concurrencies=concs
+        llama_server,
+        model,
+        name,
+        Path.cwd(),
+        threads=threads,
+        n_ctx=n_ctx,
+        logs=logs,
+        echo=click.echo,
+        keys=chosen,
+        concurrencies=concs,
+        only=only,
     )
     doc["command"] = _command_line(ctx).replace("kvpool bench", "kvpool bench-peers", 1)
     _write_peers(out, doc)
@@ -280,6 +299,15 @@ def _peer_choices(keys: str, concurrencies: str) -> tuple[tuple[str, ...], tuple
         return chosen, tuple(int(c) for c in concurrencies.split(","))
     except ValueError:
         raise click.BadParameter("whole numbers, e.g. 1,4", param_hint="--concurrency") from None
+
+
+def _peer_systems(names: str) -> tuple[str, ...]:
+    from gateway.cli.bench.peers import SYSTEMS
+
+    only = tuple(n.strip() for n in names.split(",") if n.strip())
+    if not only or set(only) - set(SYSTEMS):
+        raise click.BadParameter(f"choose from {', '.join(SYSTEMS)}", param_hint="--systems")
+    return only
 
 
 def _write_peers(out: Path, doc: dict[str, Any]) -> None:

@@ -72,8 +72,8 @@ class RawGetProbe:
 
 
 def stored_bytes(index: RedisIndex, ns: Namespace) -> list[int]:
-    """Sizes of the blobs indexed under one namespace."""
-    return [e.size for e in index.entries() if e.namespace == ns.key]
+    """Sizes of the full-chunk blobs indexed under one namespace (a tail holds fewer tokens than a chunk)."""
+    return [e.size for e in index.entries() if e.namespace == ns.key and not e.tail]
 
 
 def bytes_per_token(blob_sizes: Sequence[int], chunk_size: int, kv: ContextCache) -> dict[str, object]:

@@ -172,19 +172,32 @@ def kvpool_pool(model: Path, *, workers: int, threads: int, n_ctx: int, logs: Pa
             os.environ.update(env_keep)
 
 
-def systems(binary: Path | None, model: Path, *, threads: int, n_ctx: int, logs: Path) -> dict[str, Callable[[], object]]:
-    found: dict[str, Callable[[], object]] = {}
+SYSTEMS = ("server-1", "server-4", "round-robin", "kvpool-1w", "kvpool-2w")
+"""The systems' short names, as ``--systems`` takes them, in the order they run."""
+
+
+def systems(
+    binary: Path | None, model: Path, *, threads: int, n_ctx: int, logs: Path, only: tuple[str, ...] = SYSTEMS
+) -> dict[str, Callable[[], object]]:
+    """Each system's report name and how to start it: those of ``only`` (llama-server's only with a binary)."""
+    found: dict[str, tuple[str, Callable[[], object]]] = {}
+    half = max(1, threads // 2)
     if binary is not None:
-        found["llama-server 1 slot"] = lambda: llama_servers(binary, model, count=1, threads=threads, slots=1, n_ctx=n_ctx, logs=logs)
-        found["llama-server 4 slots"] = lambda: llama_servers(binary, model, count=1, threads=threads, slots=4, n_ctx=n_ctx, logs=logs)
-        found["2 llama-servers, round-robin"] = lambda: llama_servers(
-            binary, model, count=2, threads=max(1, threads // 2), slots=1, n_ctx=n_ctx, logs=logs
+        found["server-1"] = (
+            "llama-server 1 slot",
+            lambda: llama_servers(binary, model, count=1, threads=threads, slots=1, n_ctx=n_ctx, logs=logs),
         )
-    found[f"kvpool 1w x {threads}t"] = lambda: kvpool_pool(model, workers=1, threads=threads, n_ctx=n_ctx, logs=logs)
-    found[f"kvpool 2w x {max(1, threads // 2)}t"] = lambda: kvpool_pool(
-        model, workers=2, threads=max(1, threads // 2), n_ctx=n_ctx, logs=logs
-    )
-    return found
+        found["server-4"] = (
+            "llama-server 4 slots",
+            lambda: llama_servers(binary, model, count=1, threads=threads, slots=4, n_ctx=n_ctx, logs=logs),
+        )
+        found["round-robin"] = (
+            "2 llama-servers, round-robin",
+            lambda: llama_servers(binary, model, count=2, threads=half, slots=1, n_ctx=n_ctx, logs=logs),
+        )
+    found["kvpool-1w"] = (f"kvpool 1w x {threads}t", lambda: kvpool_pool(model, workers=1, threads=threads, n_ctx=n_ctx, logs=logs))
+    found["kvpool-2w"] = (f"kvpool 2w x {half}t", lambda: kvpool_pool(model, workers=2, threads=half, n_ctx=n_ctx, logs=logs))
+    return {name: start for key, (name, start) in found.items() if key in only}
 
 
 def decode_run(system: str, urls: list[str], model: str, *, requests: int = 8, concurrency: int = 4, max_tokens: int = 128) -> RunResult:
@@ -215,12 +228,13 @@ def run_peers(
     echo: Callable[[str], None],
     keys: tuple[str, ...] = KEYS,
     concurrencies: tuple[int, ...] = (1, 4),
+    only: tuple[str, ...] = SYSTEMS,
 ) -> dict[str, object]:
     """Every system on every workload and concurrency, each started afresh (empty caches), then decode throughput."""
     results: list[RunResult] = []
     decode: list[dict[str, object]] = []
     wls = workloads(repo, model_name, keys)
-    for name, start in systems(binary, model, threads=threads, n_ctx=n_ctx, logs=logs).items():
+    for name, start in systems(binary, model, threads=threads, n_ctx=n_ctx, logs=logs, only=only).items():
         for wl in wls:
             for conc in concurrencies:
                 with start() as urls:  # type: ignore[attr-defined]

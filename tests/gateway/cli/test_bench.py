@@ -160,3 +160,33 @@ def test_bench_peers_rewrites_its_report_and_plot_from_json(tmp_path: Path) -> N
     )
     assert "| met |" in md and "2 round-robin" not in md.split("### Targets")[1] and "decode: kvpool" not in md
     assert (out / "peers.png").stat().st_size > 0 and "![peers.png](peers.png)" in md
+
+
+def test_bench_peers_runs_the_systems_asked_for_in_their_usual_order(tmp_path: Path) -> None:
+    from gateway.cli.bench.peers import systems
+
+    binary, model = tmp_path / "llama-server", tmp_path / "m.gguf"
+    chosen = systems(binary, model, threads=2, n_ctx=4096, logs=tmp_path, only=("kvpool-2w", "server-1"))
+    assert list(chosen) == ["llama-server 1 slot", "kvpool 2w x 1t"]
+    assert list(systems(None, model, threads=2, n_ctx=4096, logs=tmp_path, only=("server-1", "kvpool-1w"))) == ["kvpool 1w x 2t"]
+
+
+def test_bench_peers_refuses_a_system_it_does_not_know(tmp_path: Path) -> None:
+    from gateway.cli.bench.cli import bench_peers_command
+
+    result = CliRunner().invoke(bench_peers_command, ["--systems", "kvpool-1w,vllm", "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "--systems" in result.output and "server-1, server-4, round-robin, kvpool-1w, kvpool-2w" in result.output
+
+
+def test_stored_bytes_per_chunk_leave_tails_out(index) -> None:
+    """A tail holds fewer tokens than a chunk: counted in, it would make a chunk look smaller than it is."""
+    from gateway.cli.bench.measure import stored_bytes
+    from store.chain import Namespace
+
+    ns, other = Namespace("model-a", chunk_size=4), Namespace("model-b", chunk_size=4)
+    index.add(b"a" * 16, ns.key, 0, 1000)
+    index.add(b"b" * 16, ns.key, 1, 1000)
+    index.add(b"c" * 16, other.key, 0, 7)
+    index.add_tail(b"t" * 16, ns.key, 2, b"b" * 16, b"\0" * 8, 300, cap=4)
+    assert sorted(stored_bytes(index, ns)) == [1000, 1000]
