@@ -14,23 +14,23 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import redis
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
 
 from gateway import metrics
 from gateway.errors import APIError, Overloaded, WorkerFailed
 from gateway.prepare import Prepared
 from gateway.relay import relay
 from gateway.responses import StreamChunks, chat_body, completion_body, merged_extra, sum_usage
+from gateway.state import Gateway
 from gateway.tenants import Tenant
 from worker.protocol import JobResult, TokenEvent, cancel_key
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
 
 log = logging.getLogger("kvpool.gateway")
 
@@ -91,7 +91,7 @@ async def whole(gw: Gateway, request: Request, jobs: list[Submitted], want_logpr
     try:
         for job in jobs:
             tokens: list[TokenEvent] = []
-            async for ev in relay(gw._relay_context(request, job.prepared, job.job_id, t0, endpoint)):
+            async for ev in relay(gw.relay_context(request, job.prepared, job.job_id, t0, endpoint)):
                 if isinstance(ev, TokenEvent):
                     tokens.append(ev)
                 elif isinstance(ev, JobResult):
@@ -130,7 +130,7 @@ async def sse(gw: Gateway, request: Request, jobs: list[Submitted], include_usag
             )
             if (head := chunks.first()) is not None:
                 yield _data(head)
-            events = relay(gw._relay_context(request, p, job.job_id, t0, endpoint))
+            events = relay(gw.relay_context(request, p, job.job_id, t0, endpoint))
             try:
                 async for ev in events:
                     for chunk in chunks.token(ev) if isinstance(ev, TokenEvent) else chunks.last(ev):
@@ -152,3 +152,29 @@ async def sse(gw: Gateway, request: Request, jobs: list[Submitted], include_usag
     finally:
         await cancel_unfinished(gw, jobs)
     yield b"data: [DONE]\n\n"
+
+
+async def answer(
+    gw: Gateway, request: Request, prepared: list[Prepared], tenant: Tenant, *, stream: bool, include_usage: bool, want_logprobs: bool
+) -> Response:
+    """Submit one job per prompt and answer with their events: a server-sent event stream, or one JSON body."""
+    jobs = await submit_all(gw, prepared, tenant)
+    if stream:
+        return _ClosingStream(sse(gw, request, jobs, include_usage, want_logprobs), media_type="text/event-stream")
+    return JSONResponse(await whole(gw, request, jobs, want_logprobs))
+
+
+class _ClosingStream(StreamingResponse):
+    """A streaming response that closes its body generator however the response ends.
+
+    When the client goes away, Starlette stops iterating the body and leaves the generator
+    to the garbage collector, so its ``finally`` (which cancels the job) could run seconds
+    later, or never. Closing it here cancels the job as soon as the disconnect is seen.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]

@@ -13,51 +13,29 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import anyio
 import redis
 import redis.asyncio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
-from starlette.types import Receive, Scope, Send
 
-from gateway.answer import sse, submit_all, whole
-from gateway.batch_api import batch_router
-from gateway.batch_service import BatchService
-from gateway.batches import Batches
-from gateway.dispatch import Dispatcher, mismatch
+from gateway.answer import answer
+from gateway.batch.api import batch_router
+from gateway.batch.files import Files
+from gateway.batch.records import Batches
+from gateway.batch.service import BatchService
 from gateway.errors import APIError, InvalidRequest, Overloaded
-from gateway.files import Files
 from gateway.middleware import BodyLimit, CountRequests
-from gateway.prepare import Prepared, Preparer
-from gateway.relay import RelayContext
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
-from gateway.tenants import Tenant, Tenants
+from gateway.state import Gateway
+from gateway.tenants import Tenant
 from gateway.tokens_api import router as tokens_router
-from store.backend import open_backend
-from store.errors import StoreError
-from worker.advert import adverts
+from store.backends import open_backend
 
 log = logging.getLogger("kvpool.gateway")
-
-
-class _ClosingStream(StreamingResponse):
-    """A streaming response that closes its body generator however the response ends.
-
-    When the client goes away, Starlette stops iterating the body and leaves the generator
-    to the garbage collector, so its ``finally`` (which cancels the job) could run seconds
-    later, or never. Closing it here cancels the job as soon as the disconnect is seen.
-    """
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -74,72 +52,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{where}: {msg}" if where else msg), (loc[0] if loc else None)
 
 
-class Gateway:
-    """The state one gateway process holds: settings, tokenizer, tenants, Redis, dispatcher."""
-
-    def __init__(self, settings: GatewaySettings, model_path: Path) -> None:
-        self.settings = settings
-        self.preparer = Preparer(settings, model_path)
-        self.tenants = Tenants(settings.api_keys, settings.tenant_secret)
-        self.redis = redis.Redis.from_url(
-            settings.redis_url, socket_connect_timeout=settings.connect_timeout_s, socket_timeout=settings.read_timeout_s
-        )
-        self.aredis = redis.asyncio.Redis.from_url(settings.redis_url, socket_connect_timeout=settings.connect_timeout_s)
-        self.dispatcher = Dispatcher(self.redis, settings)
-
-    async def answer(
-        self, request: Request, prepared: list[Prepared], tenant: Tenant, *, stream: bool, include_usage: bool, want_logprobs: bool
-    ) -> Response:
-        jobs = await submit_all(self, prepared, tenant)
-        if stream:
-            return _ClosingStream(sse(self, request, jobs, include_usage, want_logprobs), media_type="text/event-stream")
-        return JSONResponse(await whole(self, request, jobs, want_logprobs))
-
-    def _relay_context(self, request: Request, prepared: Prepared, job_id: str, t0: float, endpoint: str) -> RelayContext:
-        async def any_worker_alive() -> bool:
-            return bool(await run_in_threadpool(adverts, self.redis))
-
-        async def resubmit() -> None:
-            await run_in_threadpool(self.dispatcher.requeue, prepared.spec, job_id)
-
-        return RelayContext(
-            request,
-            self.aredis,
-            job_id,
-            t0,
-            self.settings.request_timeout_s,
-            endpoint,
-            any_worker_alive,
-            resubmit,
-            self.dispatcher.job_time.observe,
-        )
-
-    def ready(self) -> dict[str, Any]:
-        checks: dict[str, Any] = {}
-        try:
-            self.redis.ping()
-            checks["redis"] = "ok"
-        except redis.RedisError as e:
-            checks["redis"] = f"unreachable: {e}"
-        try:
-            open_backend(self.settings).exists("readyz")
-            checks["store"] = "ok"
-        except StoreError as e:
-            checks["store"] = str(e)
-        try:
-            live = adverts(self.redis)
-            model, chunk = self.preparer.fingerprint, self.settings.chunk_size
-            n = sum(a.serves(model, chunk) for a in live)
-            checks["workers"] = n if n else (mismatch(live, model, chunk) if live else "no live worker")
-            checks["layouts"] = sorted({a.layout for a in live if a.serves(model, chunk)})
-        except redis.RedisError:
-            checks["workers"] = "unknown (redis unreachable)"
-        return checks
-
-
 def create_app(settings: GatewaySettings, model_path: Path | None = None) -> FastAPI:
     """The ASGI app. ``model_path`` defaults to what the settings name (or the packaged SmolLM2)."""
-    from worker.model_fetch import resolve_model
+    from worker.models.fetch import resolve_model
 
     gw = Gateway(settings, model_path or resolve_model(settings))
 
@@ -175,8 +90,8 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
         tenant = await tenant_of(request)
         prepared = await run_in_threadpool(gw.preparer.completions, body, tenant)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await gw.answer(
-            request, prepared, tenant, stream=body.stream, include_usage=include_usage, want_logprobs=body.logprobs is not None
+        return await answer(
+            gw, request, prepared, tenant, stream=body.stream, include_usage=include_usage, want_logprobs=body.logprobs is not None
         )
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -184,7 +99,7 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
         tenant = await tenant_of(request)
         prepared = await run_in_threadpool(gw.preparer.chat, body, tenant)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await gw.answer(request, [prepared], tenant, stream=body.stream, include_usage=include_usage, want_logprobs=body.logprobs)
+        return await answer(gw, request, [prepared], tenant, stream=body.stream, include_usage=include_usage, want_logprobs=body.logprobs)
 
     _add_models_route(app, gw, tenant_of)
     _add_health_routes(app, gw, settings)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from store import metrics
-from store.backend import BlobBackend
+from store.backends import BlobBackend
 from store.blob import BlobName, decode_blob
 from store.errors import BlobCorrupt, BlobMismatch, BlobMissing
 from store.index import IndexEntry, RedisIndex

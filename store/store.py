@@ -22,7 +22,7 @@ from typing import TypeVar
 import numpy as np
 
 from store import metrics
-from store.backend import BlobBackend, open_backend
+from store.backends import BlobBackend, open_backend
 from store.blob import BlobName, encode_blob, verify_blob
 from store.chain import Namespace, tail_key, token_bytes
 from store.errors import BlobCorrupt, BlobMismatch, BlobMissing, StoreUnavailable

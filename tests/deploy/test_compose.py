@@ -103,7 +103,7 @@ def test_every_kvpool_variable_is_a_setting() -> None:
 @pytest.mark.parametrize("name", ["gateway", "worker"])
 def test_service_environment_is_valid_settings(name: str, services: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """The environment each kvpool container gets (image ENV, then compose) passes the settings' own validation."""
-    from gateway.cli.envfile import image_env
+    from gateway.pool.envfile import image_env
     from gateway.settings import GatewaySettings
     from worker.settings import WorkerSettings
 
@@ -322,7 +322,7 @@ SHELLS = ["sh"] + (["bash"] if shutil.which("bash") else [])  # sh: python:3.11-
 @pytest.mark.parametrize("shell", SHELLS)
 def test_model_job_generates_the_default_model(shell: str, services: dict[str, Any], tmp_path: Path) -> None:
     """Runs the model service's script with the real `kvpool model make`: the default KVPOOL_MODEL is generated, once."""
-    from worker.genmodel import SIZES
+    from worker.models.synth import SIZES
 
     script = _script(services["model"])
     default = Path(df.environment(services["model"])["KVPOOL_MODEL"])
@@ -354,7 +354,7 @@ def test_model_job_fails_on_a_missing_own_model(shell: str, services: dict[str, 
 
 @pytest.mark.parametrize("shell", SHELLS)
 def test_model_job_leaves_s3_models_to_the_workers(shell: str, services: dict[str, Any], tmp_path: Path) -> None:
-    """KVPOOL_MODEL=s3://... is what worker.model_fetch.resolve_model downloads itself: the job neither generates nor fails."""
+    """KVPOOL_MODEL=s3://... is what worker.models.fetch.resolve_model downloads itself: the job neither generates nor fails."""
     _fake_command(tmp_path, "kvpool", "echo called >&2; exit 3\n")
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "KVPOOL_MODEL": "s3://kvpool/models/kvpool-tiny-s0.gguf"}
     r = subprocess.run([shell, "-c", _script(services["model"])], env=env, check=False, capture_output=True, text=True, timeout=30)
@@ -366,8 +366,8 @@ def test_model_job_leaves_s3_models_to_the_workers(shell: str, services: dict[st
 @pytest.mark.parametrize("store_url", ["default", "s3://pool", "s3://pool/", "s3://pool/team/cache", "s3://pool/team/cache/"])
 def test_createbucket_job(shell: str, store_url: str, services: dict[str, Any], tmp_path: Path) -> None:
     """Runs the createbucket script with a stand-in `mc`: it creates the store's bucket and expires exactly the store's quarantine/ keys."""
+    from store.backends.s3 import S3Backend
     from store.maintenance import QUARANTINE_PREFIX
-    from store.s3 import S3Backend
 
     job = services["createbucket"]
     env = df.environment(job)

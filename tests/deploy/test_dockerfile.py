@@ -169,7 +169,7 @@ def test_entrypoint_is_kvpool(instructions: list[df.Instruction]) -> None:
 
 
 def test_image_environment_is_kvpool_settings(instructions: list[df.Instruction]) -> None:
-    from gateway.cli.envfile import image_env
+    from gateway.pool.envfile import image_env
 
     env = image_env(df.DEPLOY)
     kv = {k for k in env if k.startswith(df.ENV_PREFIX)}

@@ -8,7 +8,7 @@ import os
 import pytest
 from pydantic import ValidationError
 
-from gateway.cli.envfile import shown_default, stack_value
+from gateway.pool.envfile import shown_default, stack_value
 from tests.deploy import deployfiles as df
 
 REGENERATE = "regenerate it: kvpool docs"

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.cli.envfile import image_env
+from gateway.pool.envfile import image_env
 from tests.deploy import deployfiles as df
 from tests.deploy import kube
 
@@ -214,7 +214,7 @@ def test_the_image_carries_no_weights() -> None:
 
 
 def test_the_dev_model_is_the_packaged_demo_model_put_in_minio() -> None:
-    from worker.packaged import PACKAGED
+    from worker.models.packaged import PACKAGED
 
     objects = kube.build("dev")
     config = kube.kvpool_config(objects)

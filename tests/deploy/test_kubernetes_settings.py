@@ -160,7 +160,7 @@ def test_a_renamed_queue_is_followed_by_the_trigger(tmp_path: Path) -> None:
 
 def test_gateway_probes_are_routes_of_the_gateway(overlay, tiny_model: Path, tmp_path: Path) -> None:
     from gateway.app import create_app
-    from gateway.cli.procs import free_port
+    from gateway.pool.procs import free_port
     from gateway.settings import GatewaySettings
 
     _, objects = overlay

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import redis
 
-from gateway.cli.procs import RedisServer
+from gateway.pool.procs import RedisServer
 from store.index import RedisIndex
 from tests.deploy import deployfiles as df
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from gateway.cli.procs import GatewayProcess, free_port
+from gateway.pool.procs import GatewayProcess, free_port
 
 MODEL = "kvpool-tiny-s0"
 

@@ -4,7 +4,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from store.backend import BlobBackend
+from store.backends import BlobBackend
 from store.errors import BlobMissing
 
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway.cli.procs import free_port
-from gateway.cli.store import parse_size
+from gateway.pool.procs import free_port
+from store.backends.fs import FsBackend
 from store.blob import BlobName
 from store.chain import CacheFormat, Namespace
-from store.fs import FsBackend
+from store.cli import parse_size
 from store.index import RedisIndex
 from store.store import Store
 from tests.conftest import stored_depth
@@ -50,7 +50,7 @@ def test_verify_reports_and_repairs(filled) -> None:
     env, store, keys = filled
     assert kvpool(env, "store", "verify").returncode == 0
     name = str(BlobName(NS.key, 4, keys[4]))
-    store.backend.put(name, store.backend.get(name)[:-3])
+    store.backends.put(name, store.backends.get(name)[:-3])
     bad = kvpool(env, "store", "verify")
     assert bad.returncode == 1 and name in bad.stdout and "1 bad" in bad.stdout
     assert kvpool(env, "store", "verify", "--repair").returncode == 0

@@ -6,11 +6,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway.cli.procs import RedisServer, S3Server, free_port
+from gateway.pool.procs import RedisServer, S3Server, free_port
+from store.backends.s3 import S3Backend
 from store.chain import CacheFormat, Namespace
 from store.errors import StoreUnavailable
 from store.index import RedisIndex
-from store.s3 import S3Backend
 from store.store import Store
 from tests.conftest import s3_settings, stored_depth
 
@@ -42,7 +42,7 @@ def test_s3_stopped_mid_test_gives_store_unavailable_quickly(own_s3: S3Server, r
     own_s3.stop()
     t0 = time.monotonic()
     with pytest.raises(StoreUnavailable) as err:
-        store.backend.get("chunks/anything")
+        store.backends.get("chunks/anything")
     assert time.monotonic() - t0 < 5
     assert str(own_s3.port) in str(err.value)
     t0 = time.monotonic()
@@ -82,7 +82,7 @@ def test_redis_stopped_gives_store_unavailable_quickly(tmp_path: Path) -> None:
 
 
 def test_store_lookup_with_redis_down_raises_store_unavailable(tmp_path: Path) -> None:
-    from store.fs import FsBackend
+    from store.backends.fs import FsBackend
 
     port = free_port()
     store = Store(FsBackend(tmp_path), RedisIndex.from_url(f"redis://127.0.0.1:{port}/0", connect_timeout_s=1))
@@ -98,7 +98,7 @@ def test_an_s3_that_comes_back_empty_is_data_lost_not_an_outage(own_s3: S3Server
     store.publish(NS, TOKENS, KEYS, {i: b"payload" for i in range(len(KEYS))})
     own_s3.stop()
     own_s3.start()  # the same endpoint again, with no buckets: moto keeps nothing
-    assert not store.backend.exists("anything"), "the endpoint answers (moto loads its S3 backend on the first request)"
+    assert not store.backends.exists("anything"), "the endpoint answers (moto loads its S3 backend on the first request)"
     assert stored_depth(store, NS, KEYS) == len(KEYS)
     assert store.fetch(NS, TOKENS, KEYS, 0, len(KEYS)) == []
     assert stored_depth(store, NS, KEYS) == 0, "every entry of the chain from the missing chunk on is dropped"

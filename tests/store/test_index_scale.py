@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import redis
 
-from gateway.cli.bench.index_scale import CHAIN, NAMESPACE, fill, operations, server_usec
+from gateway.pool.bench.index_scale import CHAIN, NAMESPACE, fill, operations, server_usec
 from store.index import RedisIndex
 from worker.advert import advertise
 

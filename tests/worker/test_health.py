@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from gateway.cli.procs import RedisServer, WorkerProcess, free_port
+from gateway.pool.procs import RedisServer, WorkerProcess, free_port
 from worker.health import Health, self_check_outcome
 
 

@@ -11,7 +11,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.cli.procs import S3Server
+from gateway.pool.procs import S3Server
 from store.blob import BlobName
 from store.index import RedisIndex
 from tests.conftest import POOL_CHUNK, cold_greedy, prompt_text, s3_settings
@@ -219,7 +219,7 @@ def test_sigterm_finishes_the_current_job_then_exits(start_worker, client) -> No
 
 
 def test_worker_metrics(start_worker, client) -> None:
-    from gateway.cli.procs import free_port
+    from gateway.pool.procs import free_port
 
     port = free_port()
     start_worker("w1", KVPOOL_METRICS_PORT=str(port))
@@ -256,7 +256,7 @@ def test_a_model_whose_cache_cannot_be_cut_is_served_cold_and_right(
     A sliding-window context can still be cut back to a prefix, so the worker reuses its own
     context; a recurrent state cannot, so it evaluates every prompt in full.
     """
-    from gateway.cli.procs import free_port
+    from gateway.pool.procs import free_port
 
     model = uncuttable_models[size]
     port = free_port()

@@ -12,7 +12,7 @@ import pytest
 import redis
 from rq import Queue
 
-from gateway.cli.procs import RedisServer, WorkerProcess
+from gateway.pool.procs import RedisServer, WorkerProcess
 from tests.conftest import prompt_text
 from tests.worker.conftest import PoolClient
 from worker.advert import adverts

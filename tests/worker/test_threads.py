@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli.up import default_workers
+from gateway.pool.up import default_workers
 from worker.engine import Engine
 from worker.settings import WorkerSettings
 

@@ -1,0 +1,75 @@
+"""``kvpool docs``: the generated parts of the docs.
+
+The README's settings table (from the settings classes) and metrics list (from the
+registry), and deploy/.env.example (`gateway.pool.envfile`). ``kvpool docs`` rewrites them;
+``kvpool docs --check`` (and a test) fails when they drift from the code.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import click
+from prometheus_client import REGISTRY
+
+from gateway.pool import envfile
+
+_OWNERS = {"StoreSettings": "store", "WorkerSettings": "worker", "GatewaySettings": "gateway"}
+
+
+def _default(value: object) -> str:
+    return "—" if value in (None, "", {}, []) else f"`{value}`"
+
+
+def settings_table() -> str:
+    rows = ["| variable | used by | default | meaning |", "|---|---|---|---|"]
+    for env, s in envfile.settings().items():
+        if s.section in _OWNERS:
+            rows.append(f"| `{env}` | {_OWNERS[s.section]} | {_default(s.default)} | {s.description.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+def metrics_table() -> str:
+    import gateway.metrics  # noqa: F401 -- registers the metrics
+    import store.metrics  # noqa: F401
+    import worker.metrics  # noqa: F401
+
+    rows = ["| metric | type | meaning |", "|---|---|---|"]
+    for family in sorted(REGISTRY.collect(), key=lambda f: f.name):
+        if family.name.startswith("kvpool_"):
+            suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
+            rows.append(f"| `{family.name}{suffix}` | {family.type} | {family.documentation} |")
+    return "\n".join(rows)
+
+
+SECTIONS = {"settings": settings_table, "metrics": metrics_table}
+
+
+def render(readme: str) -> str:
+    for name, make in SECTIONS.items():
+        pattern = re.compile(rf"(<!-- {name}:begin -->\n).*?(<!-- {name}:end -->)", re.S)
+        if not pattern.search(readme):
+            raise ValueError(f"README has no <!-- {name}:begin --> ... <!-- {name}:end --> section")
+        readme = pattern.sub(lambda m, make=make: m.group(1) + make() + "\n" + m.group(2), readme)
+    return readme
+
+
+@click.command("docs")
+@click.option("--readme", type=click.Path(path_type=Path), default=Path("README.md"), show_default=True)
+@click.option("--deploy", type=click.Path(path_type=Path, file_okay=False), default=Path("deploy"), show_default=True)
+@click.option("--check", is_flag=True, help="Exit 1 if a generated file is out of date instead of rewriting it.")
+def docs_command(readme: Path, deploy: Path, check: bool) -> None:
+    """Regenerate the README's settings table and metrics list, and deploy/.env.example."""
+    try:
+        targets = {readme: render(readme.read_text()), deploy / ".env.example": envfile.render(deploy.resolve())}
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    stale = [path for path, text in targets.items() if not path.exists() or path.read_text() != text]
+    if check:
+        if stale:
+            raise click.ClickException(f"out of date: {', '.join(map(str, stale))}; run `kvpool docs`")
+        return
+    for path in stale:
+        path.write_text(targets[path])
+        click.echo(f"wrote {path}")
