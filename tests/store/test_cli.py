@@ -50,7 +50,7 @@ def test_verify_reports_and_repairs(filled) -> None:
     env, store, keys = filled
     assert kvpool(env, "store", "verify").returncode == 0
     name = str(BlobName(NS.key, 4, keys[4]))
-    store.backends.put(name, store.backends.get(name)[:-3])
+    store.backend.put(name, store.backend.get(name)[:-3])
     bad = kvpool(env, "store", "verify")
     assert bad.returncode == 1 and name in bad.stdout and "1 bad" in bad.stdout
     assert kvpool(env, "store", "verify", "--repair").returncode == 0

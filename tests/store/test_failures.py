@@ -42,7 +42,7 @@ def test_s3_stopped_mid_test_gives_store_unavailable_quickly(own_s3: S3Server, r
     own_s3.stop()
     t0 = time.monotonic()
     with pytest.raises(StoreUnavailable) as err:
-        store.backends.get("chunks/anything")
+        store.backend.get("chunks/anything")
     assert time.monotonic() - t0 < 5
     assert str(own_s3.port) in str(err.value)
     t0 = time.monotonic()
@@ -98,7 +98,7 @@ def test_an_s3_that_comes_back_empty_is_data_lost_not_an_outage(own_s3: S3Server
     store.publish(NS, TOKENS, KEYS, {i: b"payload" for i in range(len(KEYS))})
     own_s3.stop()
     own_s3.start()  # the same endpoint again, with no buckets: moto keeps nothing
-    assert not store.backends.exists("anything"), "the endpoint answers (moto loads its S3 backend on the first request)"
+    assert not store.backend.exists("anything"), "the endpoint answers (moto loads its S3 backend on the first request)"
     assert stored_depth(store, NS, KEYS) == len(KEYS)
     assert store.fetch(NS, TOKENS, KEYS, 0, len(KEYS)) == []
     assert stored_depth(store, NS, KEYS) == 0, "every entry of the chain from the missing chunk on is dropped"

@@ -68,7 +68,7 @@ def test_concurrent_publishers_of_one_chain(store: Store) -> None:
         added = list(pool.map(lambda _: store.publish(NS, tokens, keys, {i: payload(i, keys) for i in range(8)}), range(4)))
     assert sum(added) == 8
     assert store.index.count() == 8
-    assert store.index.total_bytes() == sum(o.size for o in store.backends.list("chunks/"))
+    assert store.index.total_bytes() == sum(o.size for o in store.backend.list("chunks/"))
     assert len(store.fetch(NS, tokens, keys, 0, 8)) == 8
 
 
@@ -88,7 +88,7 @@ def test_lookup_stops_at_a_hole(store: Store) -> None:
 
 def corrupt(store: Store, keys: list[bytes], i: int, mutate) -> str:
     name = str(BlobName(NS.key, i, keys[i]))
-    store.backends.put(name, mutate(store.backends.get(name)))
+    store.backend.put(name, mutate(store.backend.get(name)))
     return name
 
 
@@ -109,8 +109,8 @@ def test_a_corrupt_blob_is_never_returned_and_is_quarantined(store: Store, mutat
     got = store.fetch(NS, tokens, keys, 0, 8)
     assert [bytes(p) for p in got] == [payload(i, keys) for i in range(3)]
     assert stored_depth(store, NS, keys) == 3
-    assert not store.backends.exists(name)
-    assert store.backends.exists(QUARANTINE_PREFIX + name)
+    assert not store.backend.exists(name)
+    assert store.backend.exists(QUARANTINE_PREFIX + name)
 
 
 def test_a_foreign_blob_under_a_right_name_is_rejected(store: Store) -> None:
@@ -119,14 +119,14 @@ def test_a_foreign_blob_under_a_right_name_is_rejected(store: Store) -> None:
     other_tokens = tokens_for(10)
     other_keys = publish_all(store, other_tokens)
     name = str(BlobName(NS.key, 2, keys[2]))
-    store.backends.put(name, store.backends.get(str(BlobName(NS.key, 2, other_keys[2]))))
+    store.backend.put(name, store.backend.get(str(BlobName(NS.key, 2, other_keys[2]))))
     assert len(store.fetch(NS, tokens, keys, 0, 8)) == 2
 
 
 def test_a_missing_blob_ends_the_run_and_drops_its_entry(store: Store) -> None:
     tokens = tokens_for(11)
     keys = publish_all(store, tokens)
-    store.backends.delete(str(BlobName(NS.key, 5, keys[5])))
+    store.backend.delete(str(BlobName(NS.key, 5, keys[5])))
     assert len(store.fetch(NS, tokens, keys, 0, 8)) == 5
     assert stored_depth(store, NS, keys) == 5
 
@@ -151,7 +151,7 @@ def test_gc_keeps_the_most_recently_used_chains_whole(store: Store) -> None:
     assert result.total_bytes <= 2 * per_chain
     assert result.evicted_chunks == 16
     assert [stored_depth(store, NS, k) for k in keys] == [0, 0, 8, 8]
-    assert store.index.total_bytes() == sum(o.size for o in store.backends.list("chunks/"))
+    assert store.index.total_bytes() == sum(o.size for o in store.backend.list("chunks/"))
 
 
 def test_gc_evicts_deepest_chunks_first_so_no_chain_has_a_hole(store: Store) -> None:
@@ -176,7 +176,7 @@ def test_reindex_rebuilds_after_redis_loses_everything(store: Store) -> None:
     a, b = tokens_for(15), tokens_for(16)
     ka, kb = publish_all(store, a), publish_all(store, b)
     total = store.index.total_bytes()
-    store.backends.put(QUARANTINE_PREFIX + "junk", b"x")
+    store.backend.put(QUARANTINE_PREFIX + "junk", b"x")
     store.index.r.flushdb()
     assert stored_depth(store, NS, ka) == 0
     assert store.reindex() == 16
@@ -191,7 +191,7 @@ def test_verify_finds_bad_blobs_and_repairs(store: Store) -> None:
     tokens = tokens_for(17)
     keys = publish_all(store, tokens)
     bad = corrupt(store, keys, 6, lambda b: b[:-1] + bytes([b[-1] ^ 1]))
-    store.backends.delete(str(BlobName(NS.key, 7, keys[7])))
+    store.backend.delete(str(BlobName(NS.key, 7, keys[7])))
     report = store.verify()
     assert report.checked == 8 and [n for n, _ in report.bad] == [bad] and len(report.missing) == 1
     store.verify(repair=True)
@@ -204,7 +204,7 @@ def test_stats(store: Store) -> None:
     publish_all(store, tokens_for(18), Namespace("fp2", NS.layout, NS.chunk_size))
     s = store.stats()
     assert s["chunks"] == 16 and s["namespaces"] == 2 and s["deepest_chunk"] == 8
-    assert s["bytes"] == sum(o.size for o in store.backends.list("chunks/"))
+    assert s["bytes"] == sum(o.size for o in store.backend.list("chunks/"))
 
 
 def test_metrics_count_hits_misses_and_corruption(store: Store) -> None:

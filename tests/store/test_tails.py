@@ -77,12 +77,12 @@ def test_a_corrupt_tail_is_rejected_and_quarantined_like_a_chunk(store: Store) -
     hit = store.find(NS, tokens, keys)
     assert hit.tail is not None
     name = str(BlobName(NS.key, 1, hit.tail.key, tail=True))
-    blob = store.backends.get(name)
-    store.backends.put(name, blob[:-1] + bytes([blob[-1] ^ 1]))
+    blob = store.backend.get(name)
+    store.backend.put(name, blob[:-1] + bytes([blob[-1] ^ 1]))
     got = store.fetch_prefix(NS, tokens, keys, 0, hit)
     assert len(got.chunks) == 1 and got.tail is None
     assert store.find(NS, tokens, keys).tokens == 8, "the bad tail is gone from the index"
-    assert list(store.backends.list(QUARANTINE_PREFIX + name))
+    assert list(store.backend.list(QUARANTINE_PREFIX + name))
 
 
 def test_a_tail_blob_is_verified_as_a_tail_at_its_exact_position() -> None:
@@ -103,7 +103,7 @@ def test_a_lost_tail_blob_is_dropped_and_the_chunks_still_serve(store: Store) ->
     keys = publish(store, tokens)
     hit = store.find(NS, tokens, keys)
     assert hit.tail is not None
-    store.backends.delete(str(BlobName(NS.key, 2, hit.tail.key, tail=True)))
+    store.backend.delete(str(BlobName(NS.key, 2, hit.tail.key, tail=True)))
     got = store.fetch_prefix(NS, tokens, keys, 0, hit)
     assert len(got.chunks) == 2 and got.tail is None
     assert store.find(NS, tokens, keys).tokens == 16
@@ -119,12 +119,12 @@ def test_tails_go_first_under_gc(store: Store) -> None:
         hit = store.find(NS, tokens, keys)
         assert hit.tail is not None
         store.index.touch(keys, now=now, tail=hit.tail.key)
-    tail_bytes = sum(o.size for o in store.backends.list("tails/"))
-    chunk_bytes = sum(o.size for o in store.backends.list("chunks/"))
+    tail_bytes = sum(o.size for o in store.backend.list("tails/"))
+    chunk_bytes = sum(o.size for o in store.backend.list("chunks/"))
     assert store.index.total_bytes() == tail_bytes + chunk_bytes
     store.gc(max_bytes=chunk_bytes)
     assert store.find(NS, a, ka).tokens == 16 and store.find(NS, b, kb).tokens == 16, "both tails went, no chunk did"
-    assert list(store.backends.list("tails/")) == [] and store.index.total_bytes() == chunk_bytes
+    assert list(store.backend.list("tails/")) == [] and store.index.total_bytes() == chunk_bytes
 
 
 def test_each_chunk_keeps_its_most_recently_used_tails(backend, index) -> None:
@@ -139,7 +139,7 @@ def test_each_chunk_keeps_its_most_recently_used_tails(backend, index) -> None:
         publish(store, asks[2])
         kept = [store.find(NS, t, NS.chain(t)).tokens for t in asks]
         assert kept == [10, 8, 10], "the least recently used tail was pushed out; its prompt still finds the chunk"
-        assert len(list(store.backends.list("tails/"))) == 2
+        assert len(list(store.backend.list("tails/"))) == 2
 
 
 def test_reindex_drops_tails_and_keeps_chunks(store: Store) -> None:
@@ -148,8 +148,8 @@ def test_reindex_drops_tails_and_keeps_chunks(store: Store) -> None:
     store.index.r.flushdb()
     assert store.reindex() == 3
     assert store.find(NS, tokens, keys).tokens == 24
-    assert list(store.backends.list("tails/")) == []
-    assert store.index.total_bytes() == sum(o.size for o in store.backends.list("chunks/"))
+    assert list(store.backend.list("tails/")) == []
+    assert store.index.total_bytes() == sum(o.size for o in store.backend.list("chunks/"))
 
 
 def test_verify_checks_tails_too(store: Store) -> None:
@@ -158,7 +158,7 @@ def test_verify_checks_tails_too(store: Store) -> None:
     hit = store.find(NS, tokens, keys)
     assert hit.tail is not None
     name = str(BlobName(NS.key, 1, hit.tail.key, tail=True))
-    store.backends.put(name, b"junk")
+    store.backend.put(name, b"junk")
     report = store.verify()
     assert report.checked == 2 and [n for n, _ in report.bad] == [name]
     assert store.stats()["tails"] == 1
