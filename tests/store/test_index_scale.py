@@ -2,14 +2,14 @@
 
 A request's Redis work is reading the adverts and queue lengths (routing) and one
 lookup of its chain. Neither may scan the keyspace: with 1,000,000 index entries the
-same commands run as with none, and Redis spends well under the 2 ms budget on them.
+same commands run as with none (`kvpool bench-index` times them).
 """
 
 from __future__ import annotations
 
 import redis
 
-from gateway.pool.bench.index_scale import CHAIN, NAMESPACE, fill, operations, server_usec
+from gateway.pool.bench.index_scale import CHAIN, NAMESPACE, fill, operations
 from store.index import RedisIndex
 from worker.advert import advertise
 
@@ -44,5 +44,4 @@ def test_a_dispatch_with_a_million_index_entries_costs_what_it_does_with_none(re
     assert index.count() == 1_000_008
     assert index.lookup(NAMESPACE, CHAIN).depth == 8
     assert _commands(conn, request) == empty, "the same Redis commands, whatever the index holds"
-    assert server_usec(conn, request, repeats=200) < 2000, "Redis spends under 2 ms on a request's routing and lookup"
     conn.flushall()

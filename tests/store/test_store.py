@@ -8,6 +8,7 @@ import pytest
 
 from store.blob import BlobName
 from store.chain import CacheFormat, Namespace
+from store.index import lru_score
 from store.maintenance import QUARANTINE_PREFIX
 from store.store import Store
 from tests.conftest import stored_depth
@@ -134,8 +135,9 @@ def test_a_missing_blob_ends_the_run_and_drops_its_entry(store: Store) -> None:
 def test_fetch_touches_the_prefix_it_used(store: Store) -> None:
     tokens = tokens_for(12)
     keys = publish_all(store, tokens)
+    hour_ago = time.time() - 3600  # as if published an hour ago (touch only ever moves a stamp forward)
+    store.index.r.zadd(store.index.lru_key, {k.hex(): lru_score(hour_ago, depth) for depth, k in enumerate(keys)})
     published = store.index.get(keys[0]).accessed
-    time.sleep(0.05)
     store.fetch(NS, tokens, keys, 0, 2)
     assert store.index.get(keys[1]).accessed > published
     assert store.index.get(keys[2]).accessed == published
