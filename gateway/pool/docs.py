@@ -56,8 +56,20 @@ def render(readme: str) -> str:
 
 
 @click.command("docs")
-@click.option("--readme", type=click.Path(path_type=Path), default=Path("README.md"), show_default=True)
-@click.option("--deploy", type=click.Path(path_type=Path, file_okay=False), default=Path("deploy"), show_default=True)
+@click.option(
+    "--readme",
+    type=click.Path(path_type=Path),
+    default=Path("README.md"),
+    show_default=True,
+    help="The README whose generated tables are written or checked.",
+)
+@click.option(
+    "--deploy",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=Path("deploy"),
+    show_default=True,
+    help="The deploy folder whose .env.example is written or checked.",
+)
 @click.option("--check", is_flag=True, help="Exit 1 if a generated file is out of date instead of rewriting it.")
 def docs_command(readme: Path, deploy: Path, check: bool) -> None:
     """Regenerate the README's settings table and metrics list, and deploy/.env.example."""

@@ -190,3 +190,15 @@ def test_stored_bytes_per_chunk_leave_tails_out(index) -> None:
     index.add(b"c" * 16, other.key, 0, 7)
     index.add_tail(b"t" * 16, ns.key, 2, b"b" * 16, b"\0" * 8, 300, cap=4)
     assert sorted(stored_bytes(index, ns)) == [1000, 1000]
+
+
+def test_the_committed_peers_report_is_what_its_recorded_json_gives(tmp_path: Path) -> None:
+    """docs/bench/peers.md, targets and verdicts included, is exactly the report of docs/bench/peers.json: nothing edited by hand."""
+    from gateway.pool.bench.cli import bench_peers_command
+
+    docs = Path(__file__).resolve().parents[3] / "docs" / "bench"
+    result = CliRunner().invoke(bench_peers_command, ["--from-json", str(docs / "peers.json"), "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    md = (tmp_path / "peers.md").read_text()
+    assert md == (docs / "peers.md").read_text()
+    assert "### Targets" in md and "| met |" in md and "missed" in md  # the recorded run met some targets and missed others
