@@ -6,6 +6,15 @@ when that worker is free (not busy, its queue within ``route_max_queue``); other
 the shared queue, where any idle worker takes it and restores the prefix from the store.
 Every decision is counted with its reason.
 
+A pool whose workers differ in KV layout or kernels (`worker.kernels`: a mixed fleet of
+CPU generations) keeps one blob chain per layout, and a worker restores only from its
+own. There, the gateway also asks the index how deep each live layout's chain of the
+prompt is stored (one chain hash per layout, one round trip; a pool of one layout skips
+this), and when one layout's blobs reach deeper than the deepest worker context, the job
+goes to a free worker of that layout (``store_layout``), or to the shared queue when all
+of them are busy (``store_layout_busy``). What the gateway cannot know is which layout
+will have published most by the time a queued job starts.
+
 Admission is atomic within a gateway: the capacity check and the enqueue happen under
 one lock, so a burst cannot overshoot ``max_waiting_jobs`` (with several gateways, by at
 most one request each). A request is also refused, with 503 and Retry-After, when the
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import redis
@@ -30,6 +40,9 @@ from rq import Queue
 from gateway import metrics
 from gateway.errors import Overloaded
 from gateway.settings import GatewaySettings
+from store.chain import chain_keys, namespace_key
+from store.errors import StoreUnavailable
+from store.index import RedisIndex
 from worker.advert import Advert, adverts
 from worker.client import submit
 from worker.protocol import JobSpec, worker_queue
@@ -43,15 +56,51 @@ class Route:
     depth: int = 0
 
 
-def choose(ads: list[Advert], chain: list[str], queue_lengths: dict[str, int], shared: str, max_queue: int) -> Route:
-    """The routing rule, as a plain function of what the workers advertise."""
+def choose(
+    ads: list[Advert],
+    chain: list[str],
+    queue_lengths: dict[str, int],
+    shared: str,
+    max_queue: int,
+    stored: Mapping[str, int] | None = None,
+) -> Route:
+    """The routing rule, as a plain function of what the workers advertise and (``stored``) how deep each layout's blobs go."""
     best = max(ads, key=lambda a: a.depth(chain), default=None)
     depth = best.depth(chain) if best else 0
+    layouts, store_depth = _deepest_layouts(stored or {})
+    if store_depth > depth:
+        free = [a for a in ads if a.layout in layouts and not a.busy and queue_lengths.get(a.worker, 0) <= max_queue]
+        if not free:
+            return Route(shared, "store_layout_busy", None, store_depth)
+        pick = min(free, key=lambda a: (queue_lengths.get(a.worker, 0), -a.depth(chain), a.worker))
+        return Route(worker_queue(pick.worker), "store_layout", pick.worker, store_depth)
     if best is None or depth == 0:
         return Route(shared, "no_holder")
     if best.busy or queue_lengths.get(best.worker, 0) > max_queue:
         return Route(shared, "holder_busy", best.worker, depth)
     return Route(worker_queue(best.worker), "locality", best.worker, depth)
+
+
+def _deepest_layouts(stored: Mapping[str, int]) -> tuple[set[str], int]:
+    """The layouts whose blobs hold the most chunks of a prompt, and how many; nothing when every layout holds as many."""
+    if not stored or max(stored.values()) == min(stored.values()):
+        return set(), 0
+    top = max(stored.values())
+    return {layout for layout, d in stored.items() if d == top}, top
+
+
+def stored_depths(index: RedisIndex, ads: list[Advert], spec: JobSpec) -> dict[str, int]:
+    """How many leading chunks of the job's prompt each live layout's blob chain holds; empty for a pool of one layout."""
+    layouts = sorted({a.layout for a in ads if a.layout})
+    if len(layouts) < 2:
+        return {}
+    chains = [
+        chain_keys(namespace_key(spec.model, layout, spec.chunk_size, spec.tenant_salt), spec.tokens, spec.chunk_size) for layout in layouts
+    ]
+    try:
+        return dict(zip(layouts, index.deepest_many(chains)))
+    except StoreUnavailable:  # routing without it is still right; the enqueue that follows waits for Redis
+        return {}
 
 
 def mismatch(live: list[Advert], model: str, chunk_size: int) -> str:
@@ -87,6 +136,7 @@ class Dispatcher:
         self.settings = settings
         self.job_time = JobTime()
         self._admit = threading.Lock()
+        self.index = RedisIndex(conn)
 
     def _lengths(self, names: list[str]) -> dict[str, int]:
         pipe = self.conn.pipeline(transaction=False)
@@ -155,7 +205,8 @@ class Dispatcher:
                 code="queue_full",
                 headers={"Retry-After": str(max(1, min(60, int(finish - self.settings.request_timeout_s))))},
             )
-        route = choose(ads, spec.chain, lengths, self.settings.queue, self.settings.route_max_queue)
+        stored = stored_depths(self.index, ads, spec) if depends_on is None else {}
+        route = choose(ads, spec.chain, lengths, self.settings.queue, self.settings.route_max_queue, stored)
         if depends_on is not None:
             route = Route(self.settings.queue, "batch_dependent")
         metrics.ROUTED.labels(route.reason).inc()

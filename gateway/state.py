@@ -70,6 +70,7 @@ class Gateway:
             n = sum(a.serves(model, chunk) for a in live)
             checks["workers"] = n if n else (mismatch(live, model, chunk) if live else "no live worker")
             checks["layouts"] = sorted({a.layout for a in live if a.serves(model, chunk)})
+            checks["kernels"] = sorted({a.kernels for a in live if a.serves(model, chunk) and a.kernels})
         except redis.RedisError:
             checks["workers"] = "unknown (redis unreachable)"
         return checks

@@ -12,8 +12,9 @@ prompts share chunk ``i`` only if they share all tokens up to the end of chunk `
 
 The namespace key folds in everything else that changes the bytes of a chunk or who
 may read it: the format version, the model fingerprint (a digest of the GGUF file),
-the KV layout (cache types, flash attention, and any llama.cpp setting that alters
-the cache bytes, such as environment switches), the chunk size and the tenant salt.
+the KV layout (cache types, flash attention, any llama.cpp setting that alters
+the cache bytes, such as environment switches, and the fingerprint of the kernels that
+compute the cells: `worker.kernels`), the chunk size and the tenant salt.
 Changing any of them gives disjoint chains, never a wrong hit.
 
 A prompt's last, partial chunk (its *tail*, 1 to C-1 tokens) gets a key of its own,
@@ -120,14 +121,20 @@ def _field(data: bytes) -> bytes:
     return struct.pack("<I", len(data)) + data
 
 
-def namespace_key(model_fingerprint: str, layout: CacheFormat, chunk_size: int, tenant_salt: str) -> bytes:
-    """xxh3-128 over length-prefixed canonical fields, in a fixed order."""
+def namespace_key(model_fingerprint: str, layout: CacheFormat | str, chunk_size: int, tenant_salt: str) -> bytes:
+    """xxh3-128 over length-prefixed canonical fields, in a fixed order.
+
+    ``layout`` may be given as its canonical string, as a worker advertises it: the
+    gateway roots a worker's blob chain in it to see how deep the store holds a prompt
+    for each layout in the pool (`gateway.dispatch`).
+    """
+    canonical = layout if isinstance(layout, str) else layout.canonical()
     payload = b"".join(
         [
             _NS_MAGIC,
             struct.pack("<I", FORMAT_VERSION),
             _field(model_fingerprint.encode()),
-            _field(layout.canonical().encode()),
+            _field(canonical.encode()),
             struct.pack("<I", chunk_size),
             _field(tenant_salt.encode()),
         ]

@@ -87,13 +87,17 @@ def store_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.pass_context
 def stats_cmd(ctx: click.Context, as_json: bool) -> None:
-    """Chunks, bytes and namespaces held by the store."""
+    """Chunks, bytes and namespaces held by the store, and bytes by the kernel fingerprint that computed them."""
     with open_store(_settings(ctx)) as store:
         s = store.stats()
 
     def render() -> None:
         t = Table(title="kvpool store", show_header=False)
         for k, v in s.items():
+            if k == "bytes_by_kernels":  # the fleet's split: one row per kernel fingerprint
+                for kernels, n in v.items():  # type: ignore[attr-defined]
+                    t.add_row(f"bytes, kernels {kernels}", human(n))
+                continue
             shown = human(v) if k in ("bytes", "max_bytes") else _when(v) if k.endswith("_access") else str(v)  # type: ignore[arg-type]
             t.add_row(k, shown)
         Console().print(t)

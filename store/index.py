@@ -16,6 +16,9 @@ Keys (all under a versioned prefix, default ``kvpool:v1:``):
 * ``lru``               -- sorted set of chunk and tail keys by eviction order (lowest goes
                            first); the last-access time is read back from the score
 * ``bytes``             -- total bytes of indexed blobs
+* ``namespaces``        -- hash: namespace hex -> JSON saying what it is (its layout, the
+                           kernels of the workers that publish to it); for people
+                           (`kvpool store stats`), never read by a lookup
 
 Eviction order. A chain's chunk ``i`` is only ever useful when chunks ``0..i-1`` are
 present, so eviction must never remove a parent before its children. Every access
@@ -37,8 +40,9 @@ the prompt and one ``HGETALL`` of at most ``tails_per_parent`` fields.
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -190,6 +194,7 @@ class RedisIndex:
         self.prefix = prefix
         self.lru_key = prefix + "lru"
         self.bytes_key = prefix + "bytes"
+        self.namespaces_key = prefix + "namespaces"
         kwargs = client.connection_pool.connection_kwargs
         self.endpoint = f"redis://{kwargs.get('host', kwargs.get('path', '?'))}:{kwargs.get('port', '')}/{kwargs.get('db', 0)}"
         self._add = client.register_script(_ADD)
@@ -228,6 +233,33 @@ class RedisIndex:
         """Length of the longest run of indexed chunks from the start of ``keys``, in one round trip."""
         flags = self.present(keys)
         return flags.index(False) if False in flags else len(flags)
+
+    def deepest_many(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
+        """`deepest` of several chains, in one round trip."""
+
+        def run() -> list[Any]:
+            pipe = self.r.pipeline(transaction=False)
+            for keys in chains:
+                if keys:
+                    pipe.zmscore(self.lru_key, [k.hex() for k in keys])  # type: ignore[no-untyped-call]
+            return pipe.execute()
+
+        found = iter(self._call(run) if any(chains) else [])
+        out = []
+        for keys in chains:
+            flags = [s is not None for s in next(found)] if keys else []
+            out.append(flags.index(False) if False in flags else len(flags))
+        return out
+
+    def describe(self, namespace: bytes, about: Mapping[str, str]) -> None:
+        """Record what a namespace is (its layout, its kernels): one field, rewritten in place."""
+        doc = json.dumps(dict(about), sort_keys=True)
+        self._call(lambda: self.r.hset(self.namespaces_key, namespace.hex(), doc))
+
+    def descriptions(self) -> dict[bytes, dict[str, str]]:
+        """Every namespace's description, by namespace key."""
+        raw = self._call(lambda: self.r.hgetall(self.namespaces_key))
+        return {bytes.fromhex(k.decode()): json.loads(v) for k, v in raw.items()}
 
     def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> Lookup:
         """The stored depth of chain ``keys`` and the tails hanging from its deepest stored chunk, in one round trip."""

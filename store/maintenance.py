@@ -93,7 +93,10 @@ class Maintenance:
         Tails are deleted, not indexed: their tokens are not in their names, and the next
         request that ends in one stores it again.
         """
+        described = self.index.descriptions()  # what the namespaces are does not depend on what is indexed
         self.index.clear()
+        for ns, about in described.items():
+            self.index.describe(ns, about)
         now = time.time()
         n = 0
         for obj in self.backend.list(CHUNKS_PREFIX):
@@ -141,8 +144,30 @@ class Maintenance:
             "tails": sum(e.tail for e in entries),
             "bytes": total,
             "namespaces": len({e.namespace for e in entries}),
+            "bytes_by_kernels": bytes_by_kernels(entries, self.index.descriptions()),
             "deepest_chunk": max((e.index for e in entries), default=-1) + 1,
             "max_bytes": self.max_bytes,
             "oldest_access": min((e.accessed for e in entries), default=None),
             "newest_access": max((e.accessed for e in entries), default=None),
         }
+
+
+UNKNOWN_KERNELS = "unknown"
+"""The kernels of a namespace nobody described (chunks stored before kernels were recorded)."""
+
+
+def bytes_by_kernels(entries: list[IndexEntry], described: dict[bytes, dict[str, str]]) -> dict[str, int]:
+    """Stored bytes by the kernel fingerprint of the namespace they are in, largest first: the fleet's split."""
+    out: dict[str, int] = {}
+    for e in entries:
+        kernels = _kernels_of(described.get(e.namespace, {}))
+        out[kernels] = out.get(kernels, 0) + e.size
+    return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _kernels_of(about: dict[str, str]) -> str:
+    """The kernels a namespace's publisher described, else the ``kernels`` field of its layout (a digest), else unknown."""
+    if about.get("kernels"):
+        return about["kernels"]
+    fields = dict(part.partition("=")[::2] for part in about.get("layout", "").split(";"))
+    return f"kernels={fields['kernels']}" if fields.get("kernels") else UNKNOWN_KERNELS

@@ -35,6 +35,9 @@ log = logging.getLogger("kvpool.store")
 
 T = TypeVar("T")
 
+DESCRIBE_EVERY_S = 300.0
+"""How often a publisher records again what a namespace is (`RedisIndex.describe`)."""
+
 
 @dataclass(frozen=True)
 class Fetched:
@@ -59,6 +62,9 @@ class Store(Maintenance):
         self.max_bytes = max_bytes
         self.tails_per_chunk = tails_per_chunk
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvpool-store")
+        self.about: dict[str, str] = {}
+        """What this process's blobs are, beyond their layout (a worker's kernels): recorded beside each namespace it publishes to."""
+        self._described: dict[bytes, float] = {}
 
     @classmethod
     def open(cls, settings: StoreSettings) -> Store:
@@ -223,6 +229,8 @@ class Store(Maintenance):
             return i, len(blob)
 
         written = [f.result() for f in [self._pool.submit(put, i) for i in todo]] if todo else []
+        if written:
+            self._describe(ns)
         added = 0
         for i, size in written:
             added += self._guard("redis", partial(self.index.add, keys[i], ns.key, i, size))
@@ -263,6 +271,7 @@ class Store(Maintenance):
         metrics.BYTES_WRITTEN.inc(len(blob))
         raw = token_bytes(rest)
         pushed = self._guard("redis", lambda: self.index.add_tail(key, ns.key, depth, parent, raw, len(blob), cap=self.tails_per_chunk))
+        self._describe(ns)
         for old in pushed or []:
             self._delete_quietly(str(BlobName(ns.key, depth, old, tail=True)))
         self._touch_quietly(keys, tail=key)
@@ -271,6 +280,18 @@ class Store(Maintenance):
         return pushed is not None
 
     # -- internals -------------------------------------------------------------
+
+    def _describe(self, ns: Namespace) -> None:
+        """Say what ``ns`` is in the index, once every `DESCRIBE_EVERY_S` (so a cleared index learns it again)."""
+        now = time.monotonic()
+        if now - self._described.get(ns.key, -DESCRIBE_EVERY_S) < DESCRIBE_EVERY_S:
+            return
+        self._described[ns.key] = now
+        about = {"layout": ns.layout.canonical(), "chunk_size": str(ns.chunk_size), **self.about}
+        try:
+            self.index.describe(ns.key, about)
+        except StoreUnavailable as e:
+            log.warning("index.unavailable", extra={"endpoint": e.endpoint, "reason": e.reason})
 
     def _timed_get(self, name: str) -> bytes:
         t0 = time.perf_counter()

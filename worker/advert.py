@@ -3,8 +3,9 @@
 All adverts live in one Redis hash, ``kvpool:adverts``: field = worker name, value =
 JSON with the prefix keys (`store.chain.prefix_namespace`) of the full chunks the
 worker's context holds (under the tenant that filled it), whether it is busy, its pid
-and host, what the pool must agree on (the model's fingerprint, the chunk size) and the
-worker's KV layout, and ``at``, the Redis server's clock when it was written. A worker rewrites its advert at every job start
+and host, what the pool must agree on (the model's fingerprint, the chunk size) the
+worker's KV layout and kernel fingerprint (`worker.kernels`: which workers' blobs it can
+restore), and ``at``, the Redis server's clock when it was written. A worker rewrites its advert at every job start
 and end, every idle heartbeat and every few seconds while busy.
 
 An advert is *live* while ``at`` is less than `LIVE_S` old by the same Redis clock, so
@@ -52,6 +53,8 @@ class Advert:
     layout: str = ""
     pending: int = 0
     """Publish tasks not finished yet: 0 on an idle worker once everything it evaluated is in the store."""
+    kernels: str = ""
+    """The worker's kernel fingerprint, canonical (its digest, or ``any``, is in ``layout``)."""
 
     def serves(self, model: str, chunk_size: int) -> bool:
         """Whether this worker can run a job of this model and chunk size."""
@@ -69,11 +72,12 @@ class Advert:
 
 @dataclass(frozen=True)
 class Serving:
-    """What a worker serves: the pool must agree on the model and chunk size; layouts may differ."""
+    """What a worker serves: the pool must agree on the model and chunk size; layouts (and kernels) may differ."""
 
     model: str
     chunk_size: int
     layout: str
+    kernels: str = ""
 
 
 def advertise(
@@ -89,7 +93,7 @@ def advertise(
 ) -> None:
     doc: dict[str, object] = {"keys": [k.hex() for k in keys], "busy": busy, "pid": pid, "host": host, "pending": pending}
     if serving is not None:
-        doc.update(model=serving.model, chunk_size=serving.chunk_size, layout=serving.layout)
+        doc.update(model=serving.model, chunk_size=serving.chunk_size, layout=serving.layout, kernels=serving.kernels)
     conn.eval(_WRITE, 1, ADVERTS_KEY, worker, json.dumps(doc))
 
 
@@ -129,6 +133,7 @@ def _advert(name: str, doc: dict[str, Any]) -> Advert:
         int(doc.get("chunk_size", 0)),
         str(doc.get("layout", "")),
         int(doc.get("pending", 0)),
+        str(doc.get("kernels", "")),
     )
 
 

@@ -51,7 +51,7 @@ from worker.llama_state import (
     open_llama,
     read_seq_state,
 )
-from worker.namespace import cache_format
+from worker.namespace import SHARED_KERNELS, cache_format, kernels_field, worker_kernels
 from worker.prefix import Plan, PrefixFinder
 from worker.protocol import ChoiceResult, JobResult, JobSpec, Timings, TokenEvent, Usage
 from worker.publisher import Publisher
@@ -87,12 +87,16 @@ class Engine(PrefixFinder):
             n_gpu_layers=settings.n_gpu_layers,
         )
         self.kv: ContextCache = context_cache(self.llm)
+        self.kernels = worker_kernels(settings)
         self.layout = cache_format(
             CACHE_TYPE_NAMES.get(self.kv.type_k, str(self.kv.type_k)),
             CACHE_TYPE_NAMES.get(self.kv.type_v, str(self.kv.type_v)),
             self.kv.flash_attn,
+            kernels_field(self.kernels, settings.share_across_kernels),
         )
         self.labels = {"model": Path(model_path).name, "layout": self.layout.canonical()}
+        if store is not None:  # what `kvpool store stats` says of the namespaces this worker publishes to
+            store.about = {"kernels": SHARED_KERNELS if settings.share_across_kernels else self.kernels.canonical()}
         self.context_tenant: str | None = None
         self.exact_upto = 0
         """Leading cells that hold exactly what a cold evaluation of their tokens would (never one-token decodes)."""
@@ -113,12 +117,16 @@ class Engine(PrefixFinder):
             self.restore_enabled = True
         metrics.RESTORE_ENABLED.labels(**self.labels).set(int(self.restore_enabled))
         metrics.EXACT.labels(**self.labels).set(int(self.exact))
-        metrics.INFO.info({**self.labels, "restore": str(self.restore_enabled).lower(), "worker": name})
+        metrics.INFO.info({**self.labels, **self.identity(), "restore": str(self.restore_enabled).lower(), "worker": name})
         self.publisher = Publisher(store, settings.publish_queue, self.labels) if store and settings.publish else None
         self.eval_rate = EvalRate()
         self.leases = (
             Leases(store.index.r, name, settings.lease_s, settings.lease_wait_min_s) if self.publisher and settings.coalesce else None
         )
+
+    def identity(self) -> dict[str, str]:
+        """What decides this worker's bits, for /readyz and ``kvpool_worker_info``."""
+        return {"kernels": self.kernels.canonical(), "share_across_kernels": str(self.settings.share_across_kernels).lower()}
 
     def namespace(self, tenant_salt: str) -> Namespace:
         """Where this worker's blobs live: the chain rooted in its KV layout."""

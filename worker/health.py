@@ -7,7 +7,9 @@
 * ``/readyz``: 200 once the model is loaded, the start-up self-check has passed (or does
   not apply) and the worker is registered in Redis, which answers a ping: it takes jobs.
   503 with a short JSON reason before that, while Redis is lost, after a failed
-  self-check and once a warm shutdown has begun.
+  self-check and once a warm shutdown has begun. Once the model is loaded, the body also
+  says what decides the worker's bits: its ``layout`` and ``kernels`` (`worker.kernels`),
+  and whether it shares chunks across kernels.
 
 The server is the standard library's, in daemon threads: it needs nothing of the RQ loop,
 which keeps the main thread.
@@ -39,10 +41,15 @@ class Health:
         self._blocker: str | None = "the model is loading"
         self._registered = False
         self._stopping = False
+        self._identity: dict[str, str] = {}
 
-    def model_loaded(self, *, self_check: str, passed: bool) -> None:
-        """The engine is built; ``self_check`` says how its self-check went, ``passed`` whether restores may be trusted."""
+    def model_loaded(self, *, self_check: str, passed: bool, identity: dict[str, str] | None = None) -> None:
+        """The engine is built; ``self_check`` says how its self-check went, ``passed`` whether restores may be trusted.
+
+        ``identity``: what decides the worker's bits (layout, kernels), shown as it is.
+        """
         with self._lock:
+            self._identity = dict(identity or {})
             self._model = "loaded"
             self._self_check = self_check
             self._blocker = None if passed else f"the start-up self-check failed ({self_check})"
@@ -59,6 +66,7 @@ class Health:
         """(ready, the JSON body of /readyz)."""
         with self._lock:
             checks = {"model": self._model, "self_check": self._self_check, "registered": self._registered}
+            identity = dict(self._identity)
             if self._stopping:
                 reason: str | None = "shutting down: finishing the job in hand"
             elif self._blocker is not None:
@@ -72,7 +80,7 @@ class Health:
                 self._ping()
             except Exception as e:  # any failure to reach Redis means: no jobs come in
                 reason = f"Redis is unreachable: {type(e).__name__}"
-        body: dict[str, Any] = {"status": "ready" if reason is None else "not ready", "checks": checks}
+        body: dict[str, Any] = {"status": "ready" if reason is None else "not ready", "checks": checks, **identity}
         if reason is not None:
             body["reason"] = reason
         return reason is None, body

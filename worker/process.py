@@ -76,7 +76,7 @@ class KvpoolWorker(SimpleWorker):
             return
         try:
             e = self.engine
-            serving = Serving(e.fingerprint, e.settings.chunk_size, e.layout.canonical())
+            serving = Serving(e.fingerprint, e.settings.chunk_size, e.layout.canonical(), e.kernels.canonical())
             pending = e.publisher.pending if e.publisher else 0
             advertise(
                 self.connection, self.name, e.held_keys(), busy, pid=os.getpid(), host=self.hostname or "", serving=serving, pending=pending
@@ -114,6 +114,7 @@ class KvpoolWorker(SimpleWorker):
                     "worker": self.name,
                     "model": self.engine.labels["model"],
                     "layout": self.engine.labels["layout"],
+                    "kernels": self.engine.kernels.canonical(),
                     "restore": self.engine.restore_enabled,
                 },
             )
@@ -237,7 +238,7 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
     engine = Engine(settings, resolve_model(settings), store=open_store(settings), name=worker.name)
     jobs.set_engine(engine)
     outcome, passed = self_check_outcome(engine.kv.cuttable, settings.self_check, engine.restore_enabled, engine.exact)
-    health.model_loaded(self_check=outcome, passed=passed)
+    health.model_loaded(self_check=outcome, passed=passed, identity={"layout": engine.layout.canonical(), **engine.identity()})
     try:
         while True:
             worker.engine = engine

@@ -31,6 +31,12 @@ class WorkerSettings(StoreSettings):
     flash_attn: bool = Field(False, description="Use flash attention (required for a quantized V cache).")
     type_k: str = Field("f16", description="K cache type: f16, f32, q8_0, q4_0, ...")
     type_v: str = Field("f16", description="V cache type: f16, f32, q8_0, q4_0, ...")
+    share_across_kernels: bool = Field(
+        False,
+        description="Share stored chunks with workers whose llama.cpp kernels differ (another CPU generation, build or GPU): "
+        "more hits, but an answer may then differ in the last bits from a cold run. False: restore only chunks computed by "
+        "identical kernels, so every answer is the cold run's.",
+    )
     worker_name: str = Field("", description="Worker name (default: host and pid).")
     queue: str = Field("kvpool", description="The shared job queue.")
     job_attempts: int = Field(3, ge=1, le=10, description="Times a job is tried when its worker dies.")

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from gateway.dispatch import JobTime, choose, expected_finish_s
-from worker.advert import Advert
+import redis
+
+from gateway.dispatch import Dispatcher, JobTime, choose, expected_finish_s
+from gateway.settings import GatewaySettings
+from store.chain import CacheFormat, Namespace
+from store.index import RedisIndex
+from worker.advert import Advert, Serving, advertise, withdraw
+from worker.protocol import job_spec
 
 
-def _ad(name: str, keys: list[str], busy: bool = False) -> Advert:
-    return Advert(name, tuple(keys), busy, 0.0)
+def _ad(name: str, keys: list[str], busy: bool = False, layout: str = "") -> Advert:
+    return Advert(name, tuple(keys), busy, 0.0, layout=layout)
 
 
 def test_a_request_goes_to_the_free_worker_holding_the_deepest_prefix() -> None:
@@ -19,6 +25,26 @@ def test_a_busy_holder_or_no_holder_means_the_shared_queue() -> None:
     assert choose([_ad("b", ["k1"], busy=True)], ["k1"], {}, "shared", 0).reason == "holder_busy"
     assert choose([_ad("b", ["x"])], ["k1"], {}, "shared", 0).reason == "no_holder"
     assert choose([_ad("b", ["k1"])], ["k1"], {"b": 1}, "shared", 0).queue == "shared"
+
+
+def test_in_a_mixed_pool_a_request_goes_to_a_worker_that_can_restore_the_deepest_stored_chunks() -> None:
+    ads = [_ad("avx512", [], layout="L512"), _ad("avx2-a", [], busy=True, layout="L2"), _ad("avx2-b", [], layout="L2")]
+    route = choose(ads, ["k1", "k2", "k3"], {}, "shared", 0, {"L512": 0, "L2": 3})
+    assert (route.queue, route.reason, route.worker, route.depth) == ("kvpool:worker:avx2-b", "store_layout", "avx2-b", 3)
+
+
+def test_a_context_at_least_as_deep_as_the_store_still_wins() -> None:
+    ads = [_ad("a", ["k1", "k2"], layout="L1"), _ad("b", [], layout="L2")]
+    assert choose(ads, ["k1", "k2", "k3"], {}, "shared", 0, {"L1": 0, "L2": 2}).reason == "locality"
+    assert choose(ads, ["k1", "k2", "k3"], {}, "shared", 0, {"L1": 0, "L2": 3}).worker == "b"
+
+
+def test_layouts_that_hold_as_much_or_busy_workers_of_the_deepest_leave_the_shared_queue() -> None:
+    ads = [_ad("a", [], layout="L1"), _ad("b", [], layout="L2", busy=True)]
+    assert choose(ads, ["k1", "k2"], {}, "shared", 0, {"L1": 2, "L2": 2}).reason == "no_holder"
+    busy = choose(ads, ["k1", "k2"], {}, "shared", 0, {"L1": 0, "L2": 2})
+    assert (busy.queue, busy.reason) == ("shared", "store_layout_busy")
+    assert choose(ads, ["k1", "k2"], {"a": 1}, "shared", 0, {"L1": 2, "L2": 0}).reason == "store_layout_busy"
 
 
 def test_the_expected_finish_shares_the_queue_among_the_workers() -> None:
@@ -33,3 +59,24 @@ def test_job_time_is_a_weighted_mean_of_recent_jobs() -> None:
     t.observe(4.0)
     t.observe(2.0)
     assert t.mean == 3.0
+
+
+def test_the_dispatcher_reads_from_the_index_which_live_layout_holds_the_prompt_deepest(redis_url: str) -> None:
+    """Real Redis: two workers of other kernels advertise; the index holds five chunks of the prompt in one's namespace."""
+    conn = redis.Redis.from_url(redis_url)
+    layouts = {name: CacheFormat.of("f16", "f16", False, {"kernels": name}) for name in ("avx512", "avx2")}
+    for name, layout in layouts.items():
+        advertise(conn, name, [], False, serving=Serving("model-fp", 4, layout.canonical(), f"cpu={name}"))
+    spec = job_spec(list(range(1, 40)), model="model-fp", chunk_size=4, tenant_salt="salt")
+    ns = Namespace("model-fp", layouts["avx2"], 4, "salt")  # as the avx2 worker roots its blob chain
+    index = RedisIndex(conn)
+    for i, key in enumerate(ns.chain(spec.tokens)[:5]):
+        index.add(key, ns.key, i, 100)
+    dispatcher = Dispatcher(conn, GatewaySettings())
+
+    _, route = dispatcher.dispatch(spec)
+    assert (route.reason, route.worker, route.depth) == ("store_layout", "avx2", 5)
+    _, other_tenant = dispatcher.dispatch(spec.model_copy(update={"tenant_salt": "other"}))
+    assert other_tenant.reason == "no_holder", "another tenant's namespace holds nothing"
+    withdraw(conn, "avx512")
+    assert dispatcher.dispatch(spec)[1].reason == "no_holder", "one layout in the pool: every worker restores as deep"

@@ -46,6 +46,35 @@ def test_stats_and_ls(filled) -> None:
     assert table.returncode == 0 and "chunks" in table.stdout
 
 
+def test_stats_split_the_bytes_by_the_kernels_that_computed_them_and_reindex_keeps_the_split(tmp_path: Path, redis_url: str) -> None:
+    """Two kinds of worker publish (each Store says what kernels it runs), a third publisher says only its layout,
+    and chunks of a namespace nobody described are unknown."""
+    index = RedisIndex.from_url(redis_url)
+    tokens = np.arange(40)
+    for kernels, chunks in (("cpu=AVX2", 6), ("cpu=AVX512", 3)):
+        ns = Namespace("fp", CacheFormat.of("f16", "f16", False, {"kernels": kernels}), chunk_size=4)
+        store = Store(FsBackend(tmp_path / "blobs"), index)
+        store.about = {"kernels": kernels}
+        store.publish(ns, tokens, ns.chain(tokens), {i: bytes(100) for i in range(chunks)})
+    bare = Namespace("fp", CacheFormat.of("f16", "f16", False, {"kernels": "0123abcd"}), chunk_size=4)
+    Store(FsBackend(tmp_path / "blobs"), index).publish(bare, tokens, bare.chain(tokens), {0: bytes(100)})  # says only its layout
+    index.add(b"k" * 16, b"n" * 16, 0, 50)  # indexed by an older kvpool, which described nothing
+    env = {"KVPOOL_REDIS_URL": redis_url, "KVPOOL_STORE_URL": str(tmp_path / "blobs")}
+
+    stats = json.loads(kvpool(env, "store", "stats", "--json").stdout)
+    split = stats["bytes_by_kernels"]
+    assert list(split) == ["cpu=AVX2", "cpu=AVX512", "kernels=0123abcd", "unknown"] and split["unknown"] == 50
+    assert split["cpu=AVX2"] == 2 * (split["cpu=AVX512"]) and sum(split.values()) == stats["bytes"]
+    table = kvpool(env, "store", "stats").stdout
+    assert "bytes, kernels cpu=AVX2" in table and "bytes, kernels unknown" in table
+    assert kvpool(env, "store", "reindex").returncode == 0
+    assert json.loads(kvpool(env, "store", "stats", "--json").stdout)["bytes_by_kernels"] == {
+        k: v
+        for k, v in split.items()
+        if k != "unknown"  # the entry without a blob is gone; the described namespaces stay described
+    }
+
+
 def test_verify_reports_and_repairs(filled) -> None:
     env, store, keys = filled
     assert kvpool(env, "store", "verify").returncode == 0

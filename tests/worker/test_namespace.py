@@ -22,13 +22,13 @@ def test_attention_rotation_switch_is_read_like_llama_cpp(monkeypatch: pytest.Mo
     layouts = {}
     for value in ["", "0", "abc", "1", "2"]:
         monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", value)
-        layouts[value] = cache_format("q8_0", "q8_0", True)
+        layouts[value] = cache_format("q8_0", "q8_0", True, "k")
     monkeypatch.delenv("LLAMA_ATTN_ROT_DISABLE")
-    unset = cache_format("q8_0", "q8_0", True)
+    unset = cache_format("q8_0", "q8_0", True, "k")
     assert layouts[""] == layouts["0"] == layouts["abc"] == unset
     assert layouts["1"] == layouts["2"] != unset
 
 
 def test_layout_names_the_payload_format_and_llama_cpp_release() -> None:
-    canonical = cache_format("f16", "f16", False).canonical()
-    assert "payload=" in canonical and "llama_cpp=0.3.36" in canonical
+    canonical = cache_format("f16", "f16", False, "k").canonical()
+    assert "payload=" in canonical and "llama_cpp=0.3.36" in canonical and "kernels=k" in canonical
