@@ -8,7 +8,10 @@ Keys (all under a versioned prefix, default ``kvpool:v1:``):
 
 * ``chunk:<key hex>``   -- hash: ``ns``, ``index``, ``size``, ``created``; a tail also has
                            ``parent`` (hex of the chunk it hangs from), a full chunk that is
-                           also a candidate (`add_branch`) has ``branch`` (its parent's hex)
+                           also a candidate (`add_branch`) has ``branch`` (its parent's hex), a
+                           full chunk past the first has ``up`` (its parent's hex)
+* ``children:<parent hex>`` -- set: the full chunks indexed under a chunk, so that the entries
+                           hanging from a chunk whose blob is gone can be dropped with it (`drop_tree`)
 * ``tails:<parent hex>`` -- hash: candidate key hex -> its tokens (little-endian int32): the
                            tails hanging from the chunk, and the last full chunk of each
                            prompt published under it; at most ``tails_per_chunk`` of them,
@@ -53,27 +56,36 @@ TAIL_DEPTH = _DEPTH_SLOTS - 1
 _EPOCH = 1_577_836_800
 T = TypeVar("T")
 
-# Insert an entry once: concurrent publishers of one chunk count its bytes once.
+# Insert an entry once: concurrent publishers of one chunk count its bytes once. KEYS: chunk hash,
+# lru, bytes, and the parent's children set for a chunk past the first; ARGV: ns, index, size,
+# created, score, key, parent.
 _ADD = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'ns', ARGV[1], 'index', ARGV[2], 'size', ARGV[3], 'created', ARGV[4])
 redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
 redis.call('INCRBY', KEYS[3], ARGV[3])
+if KEYS[4] then
+  redis.call('HSET', KEYS[1], 'up', ARGV[7])
+  redis.call('SADD', KEYS[4], ARGV[6])
+end
 return 1
 """
 
 # Remove entries (a tail, or a chunk that is also a branch candidate, from its parent's
-# tails); returns the bytes freed. KEYS: lru, then chunk hashes; ARGV: bytes key, key prefix, key hexes.
+# tails; a chunk from its parent's children); returns the bytes freed. KEYS: lru, then chunk
+# hashes; ARGV: bytes key, key prefix, key hexes.
 _REMOVE = """
 local freed = 0
 for i = 2, #KEYS do
-  local h = redis.call('HMGET', KEYS[i], 'size', 'parent', 'branch')
+  local h = redis.call('HMGET', KEYS[i], 'size', 'parent', 'branch', 'up')
   if h[1] then
     freed = freed + tonumber(h[1])
     redis.call('DEL', KEYS[i])
   end
   local parent = h[2] or h[3]
   if parent then redis.call('HDEL', ARGV[2] .. 'tails:' .. parent, ARGV[i + 1]) end
+  if h[4] then redis.call('SREM', ARGV[2] .. 'children:' .. h[4], ARGV[i + 1]) end
+  redis.call('DEL', ARGV[2] .. 'children:' .. ARGV[i + 1])
   redis.call('ZREM', KEYS[1], ARGV[i + 1])
 end
 if freed > 0 then redis.call('DECRBY', ARGV[1], freed) end
@@ -247,11 +259,12 @@ class RedisIndex:
 
         self._call(lambda: self.r.zadd(self.lru_key, mapping, xx=True, gt=True))
 
-    def add(self, key: bytes, namespace: bytes, index: int, size: int, now: float | None = None) -> bool:
-        """Index one stored blob; False when it was already indexed."""
+    def add(self, key: bytes, namespace: bytes, index: int, size: int, now: float | None = None, *, parent: bytes | None = None) -> bool:
+        """Index one stored blob (``parent``: the chunk it follows, linked for `drop_tree`); False when it was already indexed."""
         t = time.time() if now is None else now
-        args = [namespace.hex(), index, size, repr(t), lru_score(t, index), key.hex()]
-        return bool(self._call(lambda: self._add(keys=[self._chunk(key), self.lru_key, self.bytes_key], args=args)))
+        args = [namespace.hex(), index, size, repr(t), lru_score(t, index), key.hex(), parent.hex() if parent else ""]
+        keys = [self._chunk(key), self.lru_key, self.bytes_key, *([f"{self.prefix}children:{parent.hex()}"] if parent else [])]
+        return bool(self._call(lambda: self._add(keys=keys, args=args)))
 
     def add_tail(
         self, key: bytes, namespace: bytes, index: int, parent: bytes, tokens: bytes, size: int, *, cap: int, now: float | None = None
@@ -284,6 +297,26 @@ class RedisIndex:
         args = [self.bytes_key, self.prefix, *[k.hex() for k in keys]]
         return int(self._call(lambda: self._remove(keys=[self.lru_key, *[self._chunk(k) for k in keys]], args=args)))
 
+    def script(self, source: str) -> Callable[[list[str], list[Any]], Any]:
+        """A Lua script on this index's Redis; a call raises `StoreUnavailable` when Redis cannot be reached."""
+        run = self.r.register_script(source)
+        return lambda keys, args: self._call(lambda: run(keys=keys, args=args))
+
+    def scan(self, cursor: int, count: int) -> tuple[int, list[IndexEntry]]:
+        """One step of a full pass over the entries (Redis's ZSCAN: safe while entries come and go); cursor 0 starts and ends it."""
+        cursor, members = self._call(lambda: self.r.zscan(self.lru_key, cursor, count=count))
+        keys = [bytes.fromhex(m.decode()) for m, _ in members]
+        return int(cursor), [_entry(k, h, score) for k, (_, score), h in zip(keys, members, self._hashes(keys)) if h]
+
+    def _hashes(self, keys: list[bytes]) -> list[Any]:
+        def fetch() -> list[Any]:
+            pipe = self.r.pipeline(transaction=False)
+            for k in keys:
+                pipe.hgetall(self._chunk(k))
+            return pipe.execute()
+
+        return self._call(fetch) if keys else []
+
     def contains(self, key: bytes) -> bool:
         return self._call(lambda: self.r.zscore(self.lru_key, key.hex())) is not None
 
@@ -306,14 +339,7 @@ class RedisIndex:
             if not members:
                 return
             keys = [bytes.fromhex(m.decode()) for m, _ in members]
-
-            def fetch(keys: list[bytes] = keys) -> list[Any]:
-                pipe = self.r.pipeline(transaction=False)
-                for k in keys:
-                    pipe.hgetall(self._chunk(k))
-                return pipe.execute()
-
-            for k, (_, score), h in zip(keys, members, self._call(fetch)):
+            for k, (_, score), h in zip(keys, members, self._hashes(keys)):
                 if h:
                     yield _entry(k, h, score)
             start += batch
