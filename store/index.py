@@ -8,7 +8,10 @@ Keys (all under a versioned prefix, default ``kvpool:v1:``):
 
 * ``chunk:<key hex>``   -- hash: ``ns``, ``index``, ``size``, ``created``; a tail also has
                            ``parent`` (hex of the chunk it hangs from), a full chunk that is
-                           also a candidate (`add_branch`) has ``branch`` (its parent's hex)
+                           also a candidate (`add_branch`) has ``branch`` (its parent's hex), a
+                           full chunk past the first has ``up`` (its parent's hex)
+* ``children:<parent hex>`` -- set: the full chunks indexed under a chunk, so that the entries
+                           hanging from a chunk whose blob is gone can be dropped with it (`drop_tree`)
 * ``tails:<parent hex>`` -- hash: candidate key hex -> its tokens (little-endian int32): the
                            tails hanging from the chunk, and the last full chunk of each
                            prompt published under it; at most ``tails_per_chunk`` of them,
@@ -50,109 +53,13 @@ from typing import Any, TypeVar
 import numpy as np
 import redis
 
+from store import index_lua as lua
 from store.errors import StoreUnavailable
 
 _DEPTH_SLOTS = 2**15
 TAIL_DEPTH = _DEPTH_SLOTS - 1
 _EPOCH = 1_577_836_800
 T = TypeVar("T")
-
-# Insert an entry once: concurrent publishers of one chunk count its bytes once.
-_ADD = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'ns', ARGV[1], 'index', ARGV[2], 'size', ARGV[3], 'created', ARGV[4])
-redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
-redis.call('INCRBY', KEYS[3], ARGV[3])
-return 1
-"""
-
-# Remove entries (a tail, or a chunk that is also a branch candidate, from its parent's
-# tails); returns the bytes freed. KEYS: lru, then chunk hashes; ARGV: bytes key, key prefix, key hexes.
-_REMOVE = """
-local freed = 0
-for i = 2, #KEYS do
-  local h = redis.call('HMGET', KEYS[i], 'size', 'parent', 'branch')
-  if h[1] then
-    freed = freed + tonumber(h[1])
-    redis.call('DEL', KEYS[i])
-  end
-  local parent = h[2] or h[3]
-  if parent then redis.call('HDEL', ARGV[2] .. 'tails:' .. parent, ARGV[i + 1]) end
-  redis.call('ZREM', KEYS[1], ARGV[i + 1])
-end
-if freed > 0 then redis.call('DECRBY', ARGV[1], freed) end
-return freed
-"""
-
-# Keep a parent's newest ``cap`` candidates (KEYS: tails hash, lru, bytes; the new one is kept):
-# a pushed-out tail is forgotten (its hex is returned: its blob is the caller's to delete); a
-# pushed-out full chunk stays a chunk and only stops being a candidate.
-_CAP = """
-local function cap_tails(tails, lru, bytes, keep, cap, prefix)
-  local out = {}
-  while redis.call('HLEN', tails) > cap do
-    local names = redis.call('HKEYS', tails)
-    local scores = redis.call('ZMSCORE', lru, unpack(names))
-    local worst, worst_score = nil, nil
-    for i, n in ipairs(names) do
-      local sc = scores[i] and tonumber(scores[i]) or -1
-      if n ~= keep and (worst_score == nil or sc < worst_score) then worst, worst_score = n, sc end
-    end
-    if worst == nil then break end
-    redis.call('HDEL', tails, worst)
-    local chunk = prefix .. 'chunk:' .. worst
-    if redis.call('HEXISTS', chunk, 'branch') == 1 then
-      redis.call('HDEL', chunk, 'branch')
-    else
-      local size = redis.call('HGET', chunk, 'size')
-      if size then redis.call('DECRBY', bytes, size) end
-      redis.call('DEL', chunk)
-      redis.call('ZREM', lru, worst)
-      out[#out + 1] = worst
-    end
-  end
-  return out
-end
-"""
-
-# Insert a tail once, then cap its parent's candidates; returns the tails pushed out, or
-# false when the tail was already indexed. KEYS: chunk hash, lru, bytes, tails hash;
-# ARGV: ns, index, size, created, score, key, parent, tokens, cap, key prefix.
-_ADD_TAIL = (
-    _CAP
-    + """
-if redis.call('EXISTS', KEYS[1]) == 1 then return false end
-redis.call('HSET', KEYS[1], 'ns', ARGV[1], 'index', ARGV[2], 'size', ARGV[3], 'created', ARGV[4], 'parent', ARGV[7])
-redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
-redis.call('INCRBY', KEYS[3], ARGV[3])
-redis.call('HSET', KEYS[4], ARGV[6], ARGV[8])
-return cap_tails(KEYS[4], KEYS[2], KEYS[3], ARGV[6], tonumber(ARGV[9]), ARGV[10])
-"""
-)
-
-# Make an indexed full chunk a candidate of its parent too, like a tail (see `add_branch`);
-# returns the tails pushed out. KEYS: chunk hash, lru, bytes, tails hash; ARGV: key, parent,
-# tokens, cap, key prefix.
-_ADD_BRANCH = (
-    _CAP
-    + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
-redis.call('HSET', KEYS[1], 'branch', ARGV[2])
-redis.call('HSET', KEYS[4], ARGV[1], ARGV[3])
-return cap_tails(KEYS[4], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[4]), ARGV[5])
-"""
-)
-
-# How many leading chunks are indexed, and the tails of the deepest one (or of the
-# namespace, at depth 0). KEYS: lru; ARGV: key prefix, namespace hex, chain key hexes.
-_LOOKUP = """
-local depth = 0
-for i = 3, #ARGV do
-  if not redis.call('ZSCORE', KEYS[1], ARGV[i]) then break end
-  depth = depth + 1
-end
-return {depth, redis.call('HGETALL', ARGV[1] .. 'tails:' .. ARGV[2 + depth])}
-"""
 
 
 def lru_score(now: float, depth: int) -> int:
@@ -197,11 +104,11 @@ class RedisIndex:
         self.namespaces_key = prefix + "namespaces"
         kwargs = client.connection_pool.connection_kwargs
         self.endpoint = f"redis://{kwargs.get('host', kwargs.get('path', '?'))}:{kwargs.get('port', '')}/{kwargs.get('db', 0)}"
-        self._add = client.register_script(_ADD)
-        self._add_tail = client.register_script(_ADD_TAIL)
-        self._add_branch = client.register_script(_ADD_BRANCH)
-        self._remove = client.register_script(_REMOVE)
-        self._lookup = client.register_script(_LOOKUP)
+        self._add = client.register_script(lua.ADD)
+        self._add_tail = client.register_script(lua.ADD_TAIL)
+        self._add_branch = client.register_script(lua.ADD_BRANCH)
+        self._remove = client.register_script(lua.REMOVE)
+        self._lookup = client.register_script(lua.LOOKUP)
 
     @classmethod
     def from_url(cls, url: str, *, connect_timeout_s: float = 2.0, read_timeout_s: float = 10.0) -> RedisIndex:
@@ -279,11 +186,12 @@ class RedisIndex:
 
         self._call(lambda: self.r.zadd(self.lru_key, mapping, xx=True, gt=True))
 
-    def add(self, key: bytes, namespace: bytes, index: int, size: int, now: float | None = None) -> bool:
-        """Index one stored blob; False when it was already indexed."""
+    def add(self, key: bytes, namespace: bytes, index: int, size: int, now: float | None = None, *, parent: bytes | None = None) -> bool:
+        """Index one stored blob (``parent``: the chunk it follows, linked for `drop_tree`); False when it was already indexed."""
         t = time.time() if now is None else now
-        args = [namespace.hex(), index, size, repr(t), lru_score(t, index), key.hex()]
-        return bool(self._call(lambda: self._add(keys=[self._chunk(key), self.lru_key, self.bytes_key], args=args)))
+        args = [namespace.hex(), index, size, repr(t), lru_score(t, index), key.hex(), parent.hex() if parent else ""]
+        keys = [self._chunk(key), self.lru_key, self.bytes_key, *([f"{self.prefix}children:{parent.hex()}"] if parent else [])]
+        return bool(self._call(lambda: self._add(keys=keys, args=args)))
 
     def add_tail(
         self, key: bytes, namespace: bytes, index: int, parent: bytes, tokens: bytes, size: int, *, cap: int, now: float | None = None
@@ -316,6 +224,26 @@ class RedisIndex:
         args = [self.bytes_key, self.prefix, *[k.hex() for k in keys]]
         return int(self._call(lambda: self._remove(keys=[self.lru_key, *[self._chunk(k) for k in keys]], args=args)))
 
+    def script(self, source: str) -> Callable[[list[str], list[Any]], Any]:
+        """A Lua script on this index's Redis; a call raises `StoreUnavailable` when Redis cannot be reached."""
+        run = self.r.register_script(source)
+        return lambda keys, args: self._call(lambda: run(keys=keys, args=args))
+
+    def scan(self, cursor: int, count: int) -> tuple[int, list[IndexEntry]]:
+        """One step of a full pass over the entries (Redis's ZSCAN: safe while entries come and go); cursor 0 starts and ends it."""
+        cursor, members = self._call(lambda: self.r.zscan(self.lru_key, cursor, count=count))
+        keys = [bytes.fromhex(m.decode()) for m, _ in members]
+        return int(cursor), [_entry(k, h, score) for k, (_, score), h in zip(keys, members, self._hashes(keys)) if h]
+
+    def _hashes(self, keys: list[bytes]) -> list[Any]:
+        def fetch() -> list[Any]:
+            pipe = self.r.pipeline(transaction=False)
+            for k in keys:
+                pipe.hgetall(self._chunk(k))
+            return pipe.execute()
+
+        return self._call(fetch) if keys else []
+
     def contains(self, key: bytes) -> bool:
         return self._call(lambda: self.r.zscore(self.lru_key, key.hex())) is not None
 
@@ -338,14 +266,7 @@ class RedisIndex:
             if not members:
                 return
             keys = [bytes.fromhex(m.decode()) for m, _ in members]
-
-            def fetch(keys: list[bytes] = keys) -> list[Any]:
-                pipe = self.r.pipeline(transaction=False)
-                for k in keys:
-                    pipe.hgetall(self._chunk(k))
-                return pipe.execute()
-
-            for k, (_, score), h in zip(keys, members, self._call(fetch)):
+            for k, (_, score), h in zip(keys, members, self._hashes(keys)):
                 if h:
                     yield _entry(k, h, score)
             start += batch

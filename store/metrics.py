@@ -16,6 +16,9 @@ REQUEST_SECONDS = Histogram(
 CORRUPT = Counter("kvpool_store_corrupt_blobs_total", "Blobs rejected by verification, by reason.", ["reason"])
 EVICTIONS = Counter("kvpool_store_evictions_total", "Chunks evicted to keep within the byte budget.")
 EVICTED_BYTES = Counter("kvpool_store_evicted_bytes_total", "Bytes evicted to keep within the byte budget.")
-STALE = Counter("kvpool_store_stale_index_entries_total", "Index entries dropped because their blob was gone.")
+STALE = Counter(
+    "kvpool_store_stale_index_entries_total", "Index entries dropped because their blob was gone, or the blob of a chunk they hang from."
+)
+RECONCILED = Counter("kvpool_store_reconciled_entries_total", "Index entries checked against the backend after an outage.")
 BYTES_STORED = Gauge("kvpool_store_bytes_stored", "Bytes of indexed blobs, as last seen by this process.")
 UNAVAILABLE = Counter("kvpool_store_unavailable_total", "Operations that failed because S3 or Redis was unreachable.", ["component"])

@@ -36,6 +36,12 @@ class StoreSettings(BaseSettings):
         description="Prompt tails kept per stored chunk (the most recently used); a tail lets any worker resume at the exact token.",
     )
     store_max_bytes: int | None = Field(None, ge=0, description="Automatic eviction budget for stored blobs (bytes).")
+    reconcile_batch: int = Field(
+        256,
+        ge=0,
+        le=100_000,
+        description="Index entries checked against the blob backend per pass of the reconciliation that runs when S3 or Redis answers again after an outage; 0 turns it off.",
+    )
     io_threads: int = Field(8, ge=1, le=256, description="Parallel blob GETs and PUTs per process.")
     connect_timeout_s: float = Field(2.0, gt=0, description="Connect timeout to S3 and Redis.")
     read_timeout_s: float = Field(10.0, gt=0, description="Read timeout to S3 and Redis.")

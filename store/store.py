@@ -6,12 +6,15 @@ chose); `lookup` and `fetch` do the same for full chunks only. Writers call `pub
 for full chunks and `publish_tail` for a prompt's partial last chunk. Every blob is
 checked against the exact chain position it is fetched for before its payload is
 returned; a blob that fails is counted, dropped from the index, moved to
-``quarantine/`` and treated as the end of the usable prefix.
+``quarantine/`` and treated as the end of the usable prefix. A blob that is missing is
+dropped from the index with every entry hanging from it (`store.stale`); after an
+outage, a bounded reconciliation checks the index against the backend.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +32,7 @@ from store.errors import BlobCorrupt, BlobMismatch, BlobMissing, StoreUnavailabl
 from store.index import RedisIndex
 from store.maintenance import QUARANTINE_PREFIX, Maintenance
 from store.settings import StoreSettings
+from store.stale import Lost, Reconciler
 from store.tails import Hit, TailMatch, best_tail
 
 log = logging.getLogger("kvpool.store")
@@ -56,6 +60,7 @@ class Store(Maintenance):
         io_threads: int = 8,
         max_bytes: int | None = None,
         tails_per_chunk: int = 8,
+        reconcile_batch: int = 256,
     ) -> None:
         self.backend = backend
         self.index = index
@@ -65,6 +70,10 @@ class Store(Maintenance):
         self.about: dict[str, str] = {}
         """What this process's blobs are, beyond their layout (a worker's kernels): recorded beside each namespace it publishes to."""
         self._described: dict[bytes, float] = {}
+        self.lost = Lost(index, backend, self._pool)
+        self.reconciler = Reconciler(self.lost, self._pool, batch=reconcile_batch)
+        self._down: set[str] = set()
+        self._down_lock = threading.Lock()
 
     @classmethod
     def open(cls, settings: StoreSettings) -> Store:
@@ -78,9 +87,11 @@ class Store(Maintenance):
             io_threads=settings.io_threads,
             max_bytes=settings.store_max_bytes,
             tails_per_chunk=settings.tails_per_chunk,
+            reconcile_batch=settings.reconcile_batch,
         )
 
     def close(self) -> None:
+        self.reconciler.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> Store:
@@ -123,9 +134,8 @@ class Store(Maintenance):
         try:
             data = get()
         except BlobMissing:
-            metrics.STALE.inc()
-            log.warning("tail.missing", extra={"chunk": tail.key.hex(), "index": depth})
-            self._drop_quietly([tail.key])
+            dropped = self._drop_lost([tail.key])
+            log.warning("tail.missing", extra={"chunk": tail.key.hex(), "index": depth, "dropped": dropped})
             return None
         except StoreUnavailable as e:
             metrics.UNAVAILABLE.labels("backend").inc()
@@ -152,8 +162,8 @@ class Store(Maintenance):
 
         Returns the longest good run from ``start``: a chunk that is missing, corrupt,
         foreign or unreachable ends the run, so the caller evaluates from there on. A
-        missing chunk is dropped from the index with every deeper one asked for (the
-        backend lost them); a bad one is quarantined. Never raises for a
+        missing chunk is dropped from the index with every entry hanging from it (the
+        backend lost it: `store.stale`); a bad one is quarantined. Never raises for a
         single bad chunk.
         """
         if not 0 <= start <= stop <= len(keys):
@@ -168,11 +178,10 @@ class Store(Maintenance):
                 try:
                     data = fut.result()
                 except BlobMissing:
-                    # The backend lost data (an S3 that came back empty): the deeper entries of this
-                    # chain are stale too, and dropping them lets the next publish store them again.
-                    metrics.STALE.inc(stop - i)
-                    log.warning("chunk.missing", extra={"chunk": keys[i].hex(), "index": i, "dropped": stop - i})
-                    self._drop_quietly(list(keys[i:stop]))
+                    # The backend lost data (an S3 that came back empty): what hangs from this chunk is
+                    # of no use without it, and dropping it all lets the next publish store them again.
+                    dropped = self._drop_lost(keys[i:])
+                    log.warning("chunk.missing", extra={"chunk": keys[i].hex(), "index": i, "dropped": dropped})
                     break
                 except StoreUnavailable as e:
                     metrics.UNAVAILABLE.labels("backend").inc()
@@ -222,10 +231,7 @@ class Store(Maintenance):
 
         def put(i: int) -> tuple[int, int]:
             blob = encode_blob(ns.key, i, keys[i - 1] if i else ns.key, tokens[i * c : (i + 1) * c], payloads[i])
-            t0 = time.perf_counter()
-            self.backend.put(str(BlobName(ns.key, i, keys[i])), blob)
-            metrics.REQUEST_SECONDS.labels("put").observe(time.perf_counter() - t0)
-            metrics.BYTES_WRITTEN.inc(len(blob))
+            self._put(str(BlobName(ns.key, i, keys[i])), blob)
             return i, len(blob)
 
         written = [f.result() for f in [self._pool.submit(put, i) for i in todo]] if todo else []
@@ -233,7 +239,7 @@ class Store(Maintenance):
             self._describe(ns)
         added = 0
         for i, size in written:
-            added += self._guard("redis", partial(self.index.add, keys[i], ns.key, i, size))
+            added += self._guard("redis", partial(self.index.add, keys[i], ns.key, i, size, parent=keys[i - 1] if i else None))
         last = len(keys) - 1
         if last in todo:
             self._offer_branch(ns, keys, last, token_bytes(tokens[last * c : (last + 1) * c]))
@@ -265,10 +271,7 @@ class Store(Maintenance):
             return False
         name = str(BlobName(ns.key, depth, key, tail=True))
         blob = encode_blob(ns.key, depth, parent, rest, payload, tail=True)
-        t0 = time.perf_counter()
-        self.backend.put(name, blob)
-        metrics.REQUEST_SECONDS.labels("put").observe(time.perf_counter() - t0)
-        metrics.BYTES_WRITTEN.inc(len(blob))
+        self._put(name, blob)
         raw = token_bytes(rest)
         pushed = self._guard("redis", lambda: self.index.add_tail(key, ns.key, depth, parent, raw, len(blob), cap=self.tails_per_chunk))
         self._describe(ns)
@@ -295,16 +298,57 @@ class Store(Maintenance):
 
     def _timed_get(self, name: str) -> bytes:
         t0 = time.perf_counter()
-        data = self.backend.get(name)
+        try:
+            data = self.backend.get(name)
+        except BlobMissing:
+            self._seen("backend", up=True)  # it answered
+            raise
+        except StoreUnavailable:
+            self._seen("backend", up=False)
+            raise
+        self._seen("backend", up=True)
         metrics.REQUEST_SECONDS.labels("get").observe(time.perf_counter() - t0)
         return data
 
+    def _put(self, name: str, blob: bytes) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.backend.put(name, blob)
+        except StoreUnavailable:
+            self._seen("backend", up=False)
+            raise
+        self._seen("backend", up=True)
+        metrics.REQUEST_SECONDS.labels("put").observe(time.perf_counter() - t0)
+        metrics.BYTES_WRITTEN.inc(len(blob))
+
     def _guard(self, component: str, fn: Callable[[], T]) -> T:
         try:
-            return fn()
+            out = fn()
         except StoreUnavailable:
             metrics.UNAVAILABLE.labels(component).inc()
+            self._seen(component, up=False)
             raise
+        self._seen(component, up=True)
+        return out
+
+    def _seen(self, component: str, *, up: bool) -> None:
+        """Note whether ``component`` (``backend``, ``redis``) answered; when it answers again after an outage, reconcile."""
+        with self._down_lock:
+            back = up and component in self._down
+            if up:
+                self._down.discard(component)
+            else:
+                self._down.add(component)
+        if back:
+            log.info("store.back", extra={"component": component})
+            self.reconciler.trigger()
+
+    def _drop_lost(self, keys: Sequence[bytes]) -> int:
+        try:
+            return self.lost.drop(keys, found_by="fetch")
+        except StoreUnavailable as e:
+            log.warning("index.unavailable", extra={"endpoint": e.endpoint, "reason": e.reason})
+            return 0
 
     def _drop_quietly(self, keys: Sequence[bytes]) -> None:
         try:

@@ -8,7 +8,10 @@
   another worker (RQ's retries; `job_attempts` in all). Jobs left in the private queue
   of a dead worker are moved to the shared queue.
 * SIGTERM: RQ's warm shutdown -- the current job finishes, then the process exits;
-  jobs still waiting in its own queue are handed to the shared queue.
+  jobs still waiting in its own queue are handed to the shared queue. While Redis is
+  unreachable there is no job to finish and nothing can be handed back: a stop request
+  ends the wait for Redis at once and the process exits 0 (its advert expires, and the
+  other workers move what waits in its queue).
 * With ``metrics_port`` set, one port serves /metrics, /healthz and /readyz
   (`worker.health`): ready once the model is loaded, the self-check has passed and the
   worker is registered.
@@ -18,7 +21,8 @@
   before the model is loaded. ``worker.ready`` is logged only once the worker is
   registered and can take jobs.
 * Redis going away (a restart, a failover) does not end the process: the worker waits
-  for it, registers again and goes on; the job it was running is retried by RQ.
+  for it (redis-py's `Retry`, with exponential backoff), registers again and goes on; the
+  job it was running is retried by RQ.
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ from pathlib import Path
 from typing import TypeVar
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 from rq import Queue, SimpleWorker, worker_registration
+from rq.exceptions import StopRequested
 from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.utils import now, utcparse
@@ -63,13 +70,25 @@ class KvpoolWorker(SimpleWorker):
     engine: Engine | None = None
     busy: bool = False
     stopping: bool = False
+    waiting: bool = False
+    """Between two attempts to reach Redis (`_wait_for_redis`)."""
     health: Health | None = None
 
     def request_stop(self, signum, frame):  # type: ignore[no-untyped-def]
         self.stopping = True
         if self.health is not None:
             self.health.stopping()
+        if self.waiting:  # Redis is away: no job runs and nothing can be handed back, so the wait ends now
+            log.info("worker.stop_requested", extra={"worker": self.name, "redis": "unreachable"})
+            raise StopRequested()
         super().request_stop(signum, frame)
+
+    def set_shutdown_requested_date(self) -> None:
+        """RQ records a warm shutdown during a job for its dashboards; with Redis away that must not raise inside the job."""
+        try:
+            super().set_shutdown_requested_date()  # type: ignore[no-untyped-call]
+        except redis.RedisError as e:
+            log.warning("worker.shutdown_date_not_recorded", extra={"reason": str(e)})
 
     def advertise(self, busy: bool) -> None:
         if self.engine is None:
@@ -239,19 +258,24 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
     jobs.set_engine(engine)
     outcome, passed = self_check_outcome(engine.kv.cuttable, settings.self_check, engine.restore_enabled, engine.exact)
     health.model_loaded(self_check=outcome, passed=passed, identity={"layout": engine.layout.canonical(), **engine.identity()})
+    redis_away = False
     try:
         while True:
             worker.engine = engine
-            _wait_for_redis(lambda worker=worker: worker.work(burst=burst, with_scheduler=False, logging_level=_log_level()))
+            _wait_for_redis(lambda worker=worker: worker.work(burst=burst, with_scheduler=False, logging_level=_log_level()), worker)
             health.registered(False)
             if burst or worker.stopping:
                 break
             log.warning("worker.restarting", extra={"worker": worker.name, "reason": "the RQ loop ended (Redis lost?)"})
-            time.sleep(1.0)  # a loop that keeps ending must not spin
-            worker = _wait_for_redis(lambda: build_worker(settings))
+            _pause(worker, 1.0)  # a loop that keeps ending must not spin
+            worker = _wait_for_redis(lambda: build_worker(settings), worker)  # the old worker still holds the signal handlers
             worker.health = health
+    except StopRequested:
+        redis_away = True
+        log.info("worker.stopped", extra={"worker": worker.name, "redis": "unreachable"})
     finally:
-        _leave(worker)
+        if not redis_away:
+            _leave(worker)
         engine.close()
         jobs.set_engine(None)
 
@@ -273,13 +297,40 @@ def _log_level() -> str:
     return logging.getLevelName(logging.getLogger().level)
 
 
-def _wait_for_redis(call: Callable[[], T], max_wait_s: float = 2.0) -> T:
-    """Run ``call``, waiting for Redis (with backoff) while it is unreachable."""
-    wait = 0.25
-    while True:
-        try:
-            return call()
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            log.warning("redis.unavailable", extra={"reason": str(e), "retry_s": wait})
-            time.sleep(wait)
-            wait = min(wait * 2, max_wait_s)
+def _wait_for_redis(call: Callable[[], T], worker: KvpoolWorker | None = None, max_wait_s: float = 2.0) -> T:
+    """Run ``call``, waiting for Redis (redis-py's `Retry`, backoff up to ``max_wait_s``) while it is unreachable.
+
+    A stop request to ``worker`` ends the wait at once with `StopRequested`: raised by the
+    signal handler during a back-off, or here at the next failure when the signal came
+    during an attempt (RQ's own warm shutdown then failed on the unreachable Redis).
+    """
+    retry = Retry(ExponentialBackoff(cap=max_wait_s, base=0.125), -1, (redis.ConnectionError, redis.TimeoutError))
+
+    def attempt() -> T:
+        _set_waiting(worker, False)
+        return call()
+
+    def failed(e: Exception) -> None:
+        if worker is not None and worker.stopping:
+            raise StopRequested()
+        log.warning("redis.unavailable", extra={"reason": str(e)})
+        _set_waiting(worker, True)
+
+    try:
+        return retry.call_with_retry(attempt, failed)
+    finally:
+        _set_waiting(worker, False)
+
+
+def _set_waiting(worker: KvpoolWorker | None, waiting: bool) -> None:
+    if worker is not None:
+        worker.waiting = waiting
+
+
+def _pause(worker: KvpoolWorker, seconds: float) -> None:
+    """Sleep; a stop request ends it at once."""
+    worker.waiting = True
+    try:
+        time.sleep(seconds)
+    finally:
+        worker.waiting = False

@@ -52,7 +52,10 @@ class FsBackend:
             raise StoreUnavailable(self.endpoint, str(e)) from e
 
     def exists(self, name: str) -> bool:
-        return self._path(name).is_file()
+        try:
+            return self._path(name).is_file()
+        except OSError as e:
+            raise StoreUnavailable(self.endpoint, str(e)) from e
 
     def delete(self, name: str) -> None:
         try:

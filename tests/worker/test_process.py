@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -92,3 +93,48 @@ def test_a_worker_stopped_with_jobs_in_its_own_queue_hands_them_to_the_shared_qu
     shared = Queue(client.settings.queue, connection=client.conn)
     assert waiting in shared.get_job_ids()
     assert Queue(worker_queue("w1"), connection=client.conn).get_job_ids() == []
+
+
+def _log_shows(w: WorkerProcess, text: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in w.log():
+        assert time.monotonic() < deadline, f"{text!r} not logged:\n{w.log()[-3000:]}"
+        time.sleep(0.1)
+
+
+def _terminate(w: WorkerProcess, timeout_s: float) -> int:
+    """SIGTERM, as Kubernetes sends on scale-down; the exit status once the process is gone within ``timeout_s``."""
+    assert w.proc is not None
+    w.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while w.proc.poll() is None:
+        assert time.monotonic() < deadline, f"still running {timeout_s:g} s after SIGTERM:\n{w.log()[-3000:]}"
+        time.sleep(0.1)
+    return w.proc.returncode
+
+
+def test_sigterm_while_redis_is_away_stops_an_idle_worker_at_once(start_worker, tmp_path: Path) -> None:
+    """No job runs and nothing can be handed back to an unreachable Redis: the stop request ends the wait, and the exit is clean."""
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        w = start_worker("w1", KVPOOL_REDIS_URL=server.url)
+        server.stop()
+        _log_shows(w, "could not connect to Redis")  # RQ's loop is retrying
+        assert _terminate(w, timeout_s=20) == 0
+        assert "worker.stopped" in w.log()
+    finally:
+        server.stop()
+
+
+def test_sigterm_while_the_worker_waits_for_redis_after_losing_its_job(start_worker, tiny_model, tmp_path: Path) -> None:
+    """Redis went away mid-job, the RQ loop ended and the worker waits for Redis itself: a stop request ends that wait too."""
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        w = start_worker("w1", KVPOOL_REDIS_URL=server.url)
+        _long_job_under_way(PoolClient(redis.Redis.from_url(server.url), tiny_model), 26)
+        server.stop()
+        _log_shows(w, "redis.unavailable")
+        assert _terminate(w, timeout_s=20) == 0
+        assert "worker.stopped" in w.log()
+    finally:
+        server.stop()

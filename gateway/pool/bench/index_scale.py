@@ -1,7 +1,7 @@
 """``kvpool bench-index``: what routing and the chunk index cost when Redis holds a million chunks.
 
 Fills a real redis-server with ``N`` index entries, written by the same script the store
-uses to index a published chunk (`store.index._ADD`), run server-side in batches so a
+uses to index a published chunk (`store.index_lua.ADD`), run server-side in batches so a
 million entries take seconds rather than a million round trips. Then, with N entries and
 with none, it times the Redis work of each request-path operation from a client on
 loopback:
@@ -32,7 +32,8 @@ import click
 import redis
 
 from gateway.pool.procs import RedisServer
-from store.index import _ADD, RedisIndex
+from store.index import RedisIndex
+from store.index_lua import ADD
 from worker.advert import advertise, adverts
 from worker.protocol import worker_queue
 
@@ -44,7 +45,7 @@ BATCH = 20_000
 # Run the store's own indexing script for entries i0..i1 with synthetic keys, server-side.
 _FILL = (
     "local function add(KEYS, ARGV)\n"
-    + _ADD.strip()
+    + ADD.strip()
     + "\nend\n"
     + """
 local prefix, i0, i1, now = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
