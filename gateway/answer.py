@@ -155,10 +155,9 @@ async def sse(gw: Gateway, request: Request, jobs: list[Submitted], include_usag
 
 
 async def answer(
-    gw: Gateway, request: Request, prepared: list[Prepared], tenant: Tenant, *, stream: bool, include_usage: bool, want_logprobs: bool
+    gw: Gateway, request: Request, jobs: list[Submitted], *, stream: bool, include_usage: bool, want_logprobs: bool
 ) -> Response:
-    """Submit one job per prompt and answer with their events: a server-sent event stream, or one JSON body."""
-    jobs = await submit_all(gw, prepared, tenant)
+    """Answer with the jobs' events (`submit_all`'s, or `gateway.idempotency.submit_once`'s): an event stream, or one JSON body."""
     if stream:
         return _ClosingStream(sse(gw, request, jobs, include_usage, want_logprobs), media_type="text/event-stream")
     return JSONResponse(await whole(gw, request, jobs, want_logprobs))

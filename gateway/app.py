@@ -27,6 +27,7 @@ from gateway.batch.files import Files
 from gateway.batch.records import Batches
 from gateway.batch.service import BatchService
 from gateway.errors import APIError, InvalidRequest, Overloaded
+from gateway.idempotency import submit_once
 from gateway.middleware import BodyLimit, CountRequests
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
@@ -90,16 +91,16 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
         tenant = await tenant_of(request)
         prepared = await run_in_threadpool(gw.preparer.completions, body, tenant)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await answer(
-            gw, request, prepared, tenant, stream=body.stream, include_usage=include_usage, want_logprobs=body.logprobs is not None
-        )
+        jobs = await submit_once(gw, request, prepared, tenant)
+        return await answer(gw, request, jobs, stream=body.stream, include_usage=include_usage, want_logprobs=body.logprobs is not None)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         tenant = await tenant_of(request)
         prepared = await run_in_threadpool(gw.preparer.chat, body, tenant)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await answer(gw, request, [prepared], tenant, stream=body.stream, include_usage=include_usage, want_logprobs=body.logprobs)
+        jobs = await submit_once(gw, request, [prepared], tenant)
+        return await answer(gw, request, jobs, stream=body.stream, include_usage=include_usage, want_logprobs=body.logprobs)
 
     _add_models_route(app, gw, tenant_of)
     _add_health_routes(app, gw, settings)

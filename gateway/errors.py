@@ -5,6 +5,7 @@
     │   └── ContextOverflow (400)   prompt plus max_tokens beyond the context
     ├── Unauthorized (401)
     ├── NotFound (404)              a model, file or batch this tenant does not have
+    ├── Conflict (409)              an Idempotency-Key sent again with another body
     ├── PayloadTooLarge (413)
     ├── Overloaded (503)            queue full, no (matching) worker, Redis away: retry later
     ├── WorkerFailed (502)          the worker gave up on the job, with its reason
@@ -56,6 +57,11 @@ class Unauthorized(APIError):
 
 class NotFound(APIError):
     status = 404
+    type = "invalid_request_error"
+
+
+class Conflict(APIError):
+    status = 409
     type = "invalid_request_error"
 
 

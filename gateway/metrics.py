@@ -16,3 +16,9 @@ REJECTED = Counter("kvpool_gateway_rejected_total", "Requests turned away before
 TENANT_REQUESTS = Counter("kvpool_gateway_tenant_requests_total", "Requests by tenant id (never by key).", ["tenant"])
 CANCELLED = Counter("kvpool_gateway_cancelled_total", "Jobs cancelled, by cause.", ["cause"])
 RESUBMITTED = Counter("kvpool_gateway_resubmitted_total", "Jobs submitted again because Redis had lost them.")
+IDEMPOTENT = Counter(
+    "kvpool_gateway_idempotent_requests_total",
+    "Requests with an Idempotency-Key, by outcome: new, attached (to the first attempt's jobs), rerun (those jobs failed, "
+    "were cancelled or expired), conflict (another body).",
+    ["outcome"],
+)

@@ -37,6 +37,12 @@ class GatewaySettings(WorkerSettings):
     )
     redis_outage_s: float = Field(10.0, ge=0, description="How long a request waits for an unreachable Redis before 503.")
     request_timeout_s: float = Field(300.0, gt=0, description="Longest a request may wait for its answer (504 after).")
+    idempotency_ttl_s: float = Field(
+        0,
+        ge=0,
+        description="How long an Idempotency-Key is kept: a retry with the same key and body within it attaches to the first "
+        "attempt's jobs. 0: KVPOOL_REQUEST_TIMEOUT_S + KVPOOL_STREAM_TTL_S (600 s by default), the longest an answer can be replayed.",
+    )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted (bytes).")
     max_file_bytes: int = Field(100 << 20, ge=1024, description="Largest file accepted by POST /v1/files (bytes).")
     batch_api: bool = Field(True, description="Serve the OpenAI Batch API (/v1/files, /v1/batches) and run its batches in this gateway.")
@@ -48,3 +54,7 @@ class GatewaySettings(WorkerSettings):
         60.0, gt=0, description="Seconds a running batch waits with no live worker before pausing (it is resumed later)."
     )
     max_tokens_default: int = Field(256, ge=1, description="max_tokens when a chat request does not say.")
+
+    def idempotency_window_s(self) -> float:
+        """How long an Idempotency-Key's record lives: set, or as long as a job's stream can outlive its first attempt."""
+        return self.idempotency_ttl_s or self.request_timeout_s + self.stream_ttl_s
