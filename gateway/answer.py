@@ -9,7 +9,6 @@ is cancelled.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -19,15 +18,15 @@ from typing import Any
 import anyio
 import redis
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
-from starlette.types import Receive, Scope, Send
 
 from gateway import metrics
 from gateway.errors import APIError, Overloaded, WorkerFailed
 from gateway.prepare import Prepared
 from gateway.relay import relay
 from gateway.responses import StreamChunks, chat_body, completion_body, merged_extra, sum_usage
+from gateway.sse import DONE, EventStream, event
 from gateway.state import Gateway
 from gateway.tenants import Tenant
 from worker.protocol import JobResult, TokenEvent, cancel_key
@@ -112,10 +111,6 @@ async def whole(gw: Gateway, request: Request, jobs: list[Submitted], want_logpr
     }
 
 
-def _data(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
-
-
 async def sse(gw: Gateway, request: Request, jobs: list[Submitted], include_usage: bool, want_logprobs: bool) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed response: each job's chunks in turn, then usage, then ``[DONE]``."""
     t0, endpoint = time.perf_counter(), "chat" if jobs[0].prepared.chat else "completions"
@@ -129,12 +124,12 @@ async def sse(gw: Gateway, request: Request, jobs: list[Submitted], include_usag
                 jobs[0].job_id, gw.preparer.model_name, p.chat, want_logprobs, n, offset=job.offset, echo=p.echo, tools=p.tools
             )
             if (head := chunks.first()) is not None:
-                yield _data(head)
+                yield event(head)
             events = relay(gw.relay_context(request, p, job.job_id, t0, endpoint))
             try:
                 async for ev in events:
                     for chunk in chunks.token(ev) if isinstance(ev, TokenEvent) else chunks.last(ev):
-                        yield _data(chunk)
+                        yield event(chunk)
                     if isinstance(ev, JobResult):
                         job.done = True
                         results.append(ev)
@@ -142,16 +137,16 @@ async def sse(gw: Gateway, request: Request, jobs: list[Submitted], include_usag
                 with anyio.CancelScope(shield=True):
                     await events.aclose()
         if include_usage and chunks is not None:
-            yield _data(chunks.usage(results))
+            yield event(chunks.usage(results))
     except APIError as e:
         log.warning("stream.failed", extra={"job": jobs[0].job_id, "status": e.status, "reason": e.message})
-        yield _data(e.body())
+        yield event(e.body())
     except redis.RedisError as e:
         log.error("stream.failed", extra={"job": jobs[0].job_id, "reason": f"{type(e).__name__}: {e}"})
-        yield _data(Overloaded(f"the job queue (Redis) was lost mid-stream: {type(e).__name__}", code="queue_unavailable").body())
+        yield event(Overloaded(f"the job queue (Redis) was lost mid-stream: {type(e).__name__}", code="queue_unavailable").body())
     finally:
         await cancel_unfinished(gw, jobs)
-    yield b"data: [DONE]\n\n"
+    yield DONE
 
 
 async def answer(
@@ -159,21 +154,5 @@ async def answer(
 ) -> Response:
     """Answer with the jobs' events (`submit_all`'s, or `gateway.idempotency.submit_once`'s): an event stream, or one JSON body."""
     if stream:
-        return _ClosingStream(sse(gw, request, jobs, include_usage, want_logprobs), media_type="text/event-stream")
+        return EventStream(sse(gw, request, jobs, include_usage, want_logprobs))
     return JSONResponse(await whole(gw, request, jobs, want_logprobs))
-
-
-class _ClosingStream(StreamingResponse):
-    """A streaming response that closes its body generator however the response ends.
-
-    When the client goes away, Starlette stops iterating the body and leaves the generator
-    to the garbage collector, so its ``finally`` (which cancels the job) could run seconds
-    later, or never. Closing it here cancels the job as soon as the disconnect is seen.
-    """
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]

@@ -30,7 +30,6 @@ the autoscaler, and the first worker to start takes it.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -46,6 +45,7 @@ from store.index import RedisIndex
 from worker.advert import Advert, adverts
 from worker.client import submit
 from worker.protocol import JobSpec, worker_queue
+from worker.redis_retry import ride_out
 
 
 @dataclass(frozen=True)
@@ -152,17 +152,12 @@ class Dispatcher:
         A Redis that is restarting is waited for, up to ``redis_outage_s``: a restart takes
         about a second, and a request should not fail for it.
         """
-        deadline = time.monotonic() + self.settings.redis_outage_s
-        wait = 0.1
-        while True:
-            try:
-                with self._admit:
-                    return self._dispatch(spec, depends_on, job_id)
-            except (redis.ConnectionError, redis.TimeoutError):
-                if time.monotonic() + wait > deadline:
-                    raise
-                time.sleep(wait)
-                wait = min(2 * wait, 1.0)
+
+        def admit() -> tuple[str, Route]:
+            with self._admit:
+                return self._dispatch(spec, depends_on, job_id)
+
+        return ride_out(admit, self.settings.redis_outage_s, what="dispatch")
 
     def requeue(self, spec: JobSpec, job_id: str) -> None:
         """Submit an admitted job again (Redis lost it) to the shared queue, without a new admission check."""

@@ -33,6 +33,7 @@ import logging
 import time
 import uuid
 from enum import StrEnum
+from functools import partial
 
 import anyio
 import redis
@@ -50,6 +51,7 @@ from gateway.state import Gateway
 from gateway.tenants import Tenant
 from worker.client import parse_event
 from worker.protocol import DoneEvent, ErrorEvent, StartEvent, cancel_key, stream_key
+from worker.redis_retry import aride_out
 
 log = logging.getLogger("kvpool.gateway")
 
@@ -114,15 +116,17 @@ class Records:
 
     def __init__(self, aredis: redis.asyncio.Redis, settings: GatewaySettings) -> None:
         self.aredis = aredis
+        self.outage_s = settings.redis_outage_s
         self.ttl_ms = int(settings.idempotency_window_s() * 1000)
         self.claim_ms = int((CLAIM_S + settings.redis_outage_s) * 1000)
         self._swap = aredis.register_script(_SWAP)
 
     async def claim(self, key: str, record: Record) -> bool:
-        return bool(await self.aredis.set(key, record.model_dump_json(), nx=True, px=self.claim_ms))
+        value = record.model_dump_json()
+        return bool(await aride_out(lambda: self.aredis.set(key, value, nx=True, px=self.claim_ms), self.outage_s, what="idempotency"))
 
     async def get(self, key: str) -> tuple[bytes, Record] | None:
-        raw = await self.aredis.get(key)
+        raw = await aride_out(lambda: self.aredis.get(key), self.outage_s, what="idempotency")
         return None if raw is None else (raw, Record.model_validate_json(raw))
 
     async def swap(self, key: str, expected: bytes | str, new: Record | None) -> bool:
@@ -131,7 +135,7 @@ class Records:
             value, ttl = "", 0
         else:
             value, ttl = new.model_dump_json(), self.ttl_ms if new.state is KeyState.SUBMITTED else self.claim_ms
-        return bool(await self._swap(keys=[key], args=[expected, value, ttl]))
+        return bool(await aride_out(lambda: self._swap(keys=[key], args=[expected, value, ttl]), self.outage_s, what="idempotency"))
 
 
 async def replayable(aredis: redis.asyncio.Redis, job_ids: list[str]) -> bool:
@@ -187,7 +191,9 @@ async def submit_once(gw: Gateway, request: Request, prepared: list[Prepared], t
         if record.state is KeyState.CLAIMED:
             await asyncio.sleep(POLL_S)  # another gateway is enqueueing the jobs
             continue
-        if len(record.jobs) == len(prepared) and await replayable(gw.aredis, record.jobs):
+        if len(record.jobs) == len(prepared) and await aride_out(
+            partial(replayable, gw.aredis, record.jobs), gw.settings.redis_outage_s, what="idempotency"
+        ):
             return _attach(record, prepared, tenant)
         if await records.swap(rkey, raw, mine):
             return await _submit_claimed(gw, records, rkey, mine, prepared, tenant, "rerun")

@@ -15,6 +15,10 @@ from rq import Queue, Retry
 from rq.job import Job
 
 from worker.protocol import DoneEvent, ErrorEvent, JobSpec, StartEvent, TokenEvent, cancel_key, stream_key
+from worker.redis_retry import RETRIED, backoff
+
+READ_BACKOFF_CAP_S = 0.5
+"""The longest wait between two reads of a job's events while Redis is away: the tokens wait for it once Redis is back."""
 
 Event = StartEvent | TokenEvent | DoneEvent | ErrorEvent
 _EVENT = TypeAdapter(Event)
@@ -83,16 +87,21 @@ async def aevents(conn: redis.asyncio.Redis, job_id: str, *, block_ms: int = 100
     can check its deadline, its client and the worker's health; ends after a final event.
 
     A Redis that restarts does not end the stream: reading resumes after the last entry
-    seen (``None`` is yielded meanwhile, so the caller's deadline still holds).
+    seen. Each failed read waits (redis-py's exponential backoff, at most ``READ_BACKOFF_CAP_S``)
+    and yields ``None``, so the caller's deadline and checks still hold meanwhile; a
+    `redis.retry.Retry` would retry out of the caller's sight.
     """
     key, last = stream_key(job_id), "0"
+    waits, failures = backoff(cap_s=READ_BACKOFF_CAP_S), 0
     while True:
         try:
             batch = await conn.xread({key: last}, count=256, block=block_ms)
-        except (redis.ConnectionError, redis.TimeoutError):
-            await asyncio.sleep(0.2)
+        except RETRIED:
+            failures += 1
+            await asyncio.sleep(waits.compute(failures))
             yield None
             continue
+        failures = 0
         if not batch:
             yield None
             continue

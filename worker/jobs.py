@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import redis
 from pydantic import BaseModel, ValidationError
@@ -20,6 +20,7 @@ from worker import metrics
 from worker.advert import adverts
 from worker.errors import JobRejected
 from worker.protocol import DoneEvent, ErrorEvent, JobSpec, StartEvent, TokenEvent, cancel_key, stream_key, worker_queue
+from worker.redis_retry import ride_out
 
 if TYPE_CHECKING:
     from worker.engine import Engine
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpool.worker.jobs")
 
 STREAM_MAXLEN = 4096
+STREAM_BACKOFF_CAP_S = 0.5
+"""The longest wait between two tries at writing events while Redis is away: the tokens wait for it once Redis is back."""
 
 _engine: Engine | None = None
 
@@ -67,22 +70,19 @@ class JobStream:
         return self.flush(outage_s)
 
     def flush(self, outage_s: float = 10.0) -> bool:
-        """Write every held event; rides out a Redis restart of up to ``outage_s`` seconds."""
-        deadline = time.monotonic() + outage_s
-        while True:
+        """Write every held event; rides out a Redis restart of up to ``outage_s`` seconds (`worker.redis_retry`)."""
+
+        def write() -> list[Any]:
             pipe = self.conn.pipeline(transaction=True)
             for e in self._held:
                 pipe.xadd(self.key, {"e": e}, maxlen=STREAM_MAXLEN, approximate=True)
             pipe.expire(self.key, self.ttl_s)
             pipe.exists(self.cancel)
-            try:
-                self._cancelled = bool(pipe.execute()[-1])
-                self._held.clear()
-                return not self._cancelled
-            except (redis.ConnectionError, redis.TimeoutError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+            return pipe.execute()
+
+        self._cancelled = bool(ride_out(write, outage_s, what="job_stream", cap_s=STREAM_BACKOFF_CAP_S)[-1])
+        self._held.clear()
+        return not self._cancelled
 
 
 def run_job(spec: dict) -> dict:

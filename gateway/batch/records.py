@@ -23,6 +23,8 @@ import uuid
 from typing import Any
 
 import redis
+from redis.exceptions import LockNotOwnedError
+from redis.lock import Lock
 
 from gateway.errors import InvalidRequest, NotFound
 from gateway.tenants import Tenant
@@ -172,33 +174,50 @@ class RedisResults:
 
 
 class RunnerLease:
-    """One gateway runs a batch at a time: a lease renewed by a thread while it runs."""
+    """One gateway runs a batch at a time: redis-py's `Lock` on ``<id>:runner``, renewed by a thread while it runs.
+
+    The lock's token is the gateway's name, so the key says who runs the batch. Renewing
+    (`Lock.reacquire`) and releasing are Lua scripts that act only while the token is still
+    this gateway's: one that stalled past its lease, and lost the batch to another, neither
+    extends nor deletes the other's lease. It sets `lost` and stops renewing instead.
+    """
 
     def __init__(self, conn: redis.Redis, batch_id: str, owner: str, lease_s: float) -> None:
-        self.conn, self.key, self.owner, self.lease_ms = conn, BATCH_PREFIX + batch_id + ":runner", owner, int(lease_s * 1000)
+        self.key, self.owner, self.lease_s = BATCH_PREFIX + batch_id + ":runner", owner, lease_s
+        self.lock = Lock(conn, self.key, timeout=lease_s, blocking=False, thread_local=False)
+        self.lost = threading.Event()
+        """Set once a renewal found the lease held by another gateway (or by nobody)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> bool:
-        if not self.conn.set(self.key, self.owner, nx=True, px=self.lease_ms):
+        if not self.lock.acquire(token=self.owner):
             return False
-        self._thread = threading.Thread(target=self._renew, name="kvpool-batch-lease", daemon=True)
+        self._thread = threading.Thread(target=self._renew_loop, name="kvpool-batch-lease", daemon=True)
         self._thread.start()
         return True
 
-    def _renew(self) -> None:
-        while not self._stop.wait(self.lease_ms / 3000):
-            try:
-                self.conn.pexpire(self.key, self.lease_ms)
-            except redis.RedisError as e:
-                log.warning("batch.lease_renew_failed", extra={"reason": str(e)})
+    def renew(self) -> bool:
+        """Reset the lease to its full length; False once it is no longer this gateway's."""
+        try:
+            self.lock.reacquire()
+        except LockNotOwnedError:
+            self.lost.set()
+            log.warning("batch.lease_lost", extra={"lease": self.key, "gateway": self.owner})
+            return False
+        except redis.RedisError as e:
+            log.warning("batch.lease_renew_failed", extra={"reason": str(e)})
+        return True
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.lease_s / 3) and self.renew():
+            pass
 
     def release(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
         try:
-            if self.conn.get(self.key) == self.owner.encode():
-                self.conn.delete(self.key)
+            self.lock.release()
         except redis.RedisError:
-            pass
+            pass  # lost to another gateway (LockNotOwnedError), or Redis is away: the lease expires by itself

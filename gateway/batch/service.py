@@ -86,13 +86,14 @@ class BatchService:
             if not lease.acquire():
                 continue
             try:
-                self.run(batch_id)
+                self.run(batch_id, lease.lost)
             finally:
                 lease.release()
             return True
         return False
 
-    def run(self, batch_id: str) -> None:
+    def run(self, batch_id: str, lost: threading.Event | None = None) -> None:
+        """Run one batch; one whose lease is ``lost`` to another gateway stops at its next answer (the other resumes it)."""
         rec = self.batches.load(batch_id)
         if rec is None:
             self.conn.zrem(ACTIVE_BATCHES_KEY, batch_id)
@@ -118,7 +119,7 @@ class BatchService:
         )
         log.info("batch.running", extra={"batch": batch_id, "lines": total, "already_done": len(out.done), "gateway": self.owner})
         try:
-            self._answer(batch_id, tenant, [e for e in entries if result_id_of(e) not in out.done], out, total)
+            self._answer(batch_id, tenant, [e for e in entries if result_id_of(e) not in out.done], out, total, lost)
         except Cancelled:
             self._finish(self.batches.load(batch_id) or rec, tenant, out, total, "cancelled")
             return
@@ -127,7 +128,9 @@ class BatchService:
             return
         self._finish(self.batches.load(batch_id) or rec, tenant, out, total, "completed")
 
-    def _answer(self, batch_id: str, tenant: Tenant, todo: list[Parsed | Rejected], out: RedisResults, total: int) -> None:
+    def _answer(
+        self, batch_id: str, tenant: Tenant, todo: list[Parsed | Rejected], out: RedisResults, total: int, lost: threading.Event | None
+    ) -> None:
         tally = Tally(lines=total)
         requests: list[Request] = []
         for entry in todo:
@@ -139,6 +142,8 @@ class BatchService:
         last = [0.0]
 
         def changed() -> None:
+            if lost is not None and lost.is_set():
+                raise BatchAborted("its lease ran out and another gateway may run it now")
             if time.monotonic() - last[0] < 0.5:
                 return
             last[0] = time.monotonic()

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
-import redis
+import logging
+import threading
+from pathlib import Path
 
-from gateway.dispatch import Dispatcher, JobTime, choose, expected_finish_s
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from rq import Queue
+
+from gateway.dispatch import Dispatcher, JobTime, Route, choose, expected_finish_s
+from gateway.pool.procs import RedisServer
 from gateway.settings import GatewaySettings
 from store.chain import CacheFormat, Namespace
 from store.index import RedisIndex
 from worker.advert import Advert, Serving, advertise, withdraw
-from worker.protocol import job_spec
+from worker.protocol import JobSpec, job_spec
 
 
 def _ad(name: str, keys: list[str], busy: bool = False, layout: str = "") -> Advert:
@@ -80,3 +89,44 @@ def test_the_dispatcher_reads_from_the_index_which_live_layout_holds_the_prompt_
     assert other_tenant.reason == "no_holder", "another tenant's namespace holds nothing"
     withdraw(conn, "avx512")
     assert dispatcher.dispatch(spec)[1].reason == "no_holder", "one layout in the pool: every worker restores as deep"
+
+
+def test_a_request_admitted_while_redis_restarts_is_enqueued_once_it_is_back(tmp_path: Path) -> None:
+    """Redis refuses connections for about a second when it restarts: `dispatch` waits for it (up to
+    ``redis_outage_s``) instead of failing the request."""
+    server = RedisServer(tmp_path / "redis").start()
+    conn = redis.Redis(port=server.port, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
+    settings = GatewaySettings(redis_url=server.url, queue_without_workers=True, redis_outage_s=30)
+    dispatcher = Dispatcher(conn, settings)
+    tried_while_down = threading.Event()
+
+    class Note(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            tried_while_down.set()
+
+    note = Note()
+    logging.getLogger("kvpool.redis").addHandler(note)
+    server.stop()
+    out: list[tuple[str, Route]] = []
+    spec = JobSpec(tokens=[1, 2, 3], chain=[], chunk_size=4, model="m", enqueued_at=0.0)
+    t = threading.Thread(target=lambda: out.append(dispatcher.dispatch(spec)), daemon=True)
+    t.start()
+    try:
+        assert tried_while_down.wait(30), "dispatch never found Redis down"
+        server = RedisServer(tmp_path / "redis", port=server.port).start()
+        t.join(30)
+        assert len(out) == 1, "answered once Redis was back"
+        job_id, route = out[0]
+        assert route.queue == settings.queue and job_id in Queue(settings.queue, connection=conn).get_job_ids()
+    finally:
+        logging.getLogger("kvpool.redis").removeHandler(note)
+        server.stop()
+
+
+def test_a_redis_outage_longer_than_redis_outage_s_is_an_error(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis").start()
+    conn = redis.Redis(port=server.port, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
+    dispatcher = Dispatcher(conn, GatewaySettings(redis_url=server.url, queue_without_workers=True, redis_outage_s=0.3))
+    server.stop()
+    with pytest.raises(redis.ConnectionError):
+        dispatcher.dispatch(JobSpec(tokens=[1, 2, 3], chain=[], chunk_size=4, model="m", enqueued_at=0.0))

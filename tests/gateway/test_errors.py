@@ -264,7 +264,7 @@ def test_a_stream_whose_client_left_closes_its_body_at_once() -> None:
     """
     from starlette.requests import ClientDisconnect
 
-    from gateway.answer import _ClosingStream
+    from gateway.sse import EventStream
 
     closed: list[bool] = []
 
@@ -286,7 +286,7 @@ def test_a_stream_whose_client_left_closes_its_body_at_once() -> None:
         generator = body()
         scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", "path": "/", "headers": []}
         with pytest.raises(ClientDisconnect):
-            await _ClosingStream(generator, media_type="text/event-stream")(scope, receive, send)
+            await EventStream(generator)(scope, receive, send)
         return list(closed)  # before the event loop ends, which would close every open generator
 
     assert anyio.run(respond) == [True]

@@ -18,7 +18,9 @@ import time
 import httpx
 import openai
 import pytest
+import redis
 
+from gateway.batch.records import BATCH_PREFIX
 from tests.conftest import prompt_text
 from tests.gateway.conftest import MODEL, openai_client
 
@@ -158,4 +160,29 @@ def test_a_gateway_killed_mid_batch_loses_nothing(start_worker, start_gateway) -
     done = _wait(second, batch.id, ("completed",))
     assert (done.request_counts.total, done.request_counts.completed) == (30, 30)
     ids = [json.loads(x)["custom_id"] for x in second.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(ids) == sorted(f"req-{i}" for i in range(30)), "every line answered once"
+
+
+def test_a_gateway_whose_lease_went_to_another_stops_running_the_batch(start_worker, start_gateway, redis_url) -> None:
+    """The lease changes hands under a running gateway (as when it stalled past its lease): it must stop at once
+    rather than answer lines beside the new holder, and resume the batch once the lease is free again."""
+    start_worker("w1")
+    gw = start_gateway(KVPOOL_BATCH_LEASE_S="2")
+    client = openai_client(gw)
+    f = client.files.create(file=("r.jsonl", io.BytesIO(_lines(30))), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while client.batches.retrieve(batch.id).request_counts.completed < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    conn, key = redis.Redis.from_url(redis_url), BATCH_PREFIX + batch.id + ":runner"
+    assert conn.get(key).startswith(b"gateway-")
+    conn.set(key, "gateway-elsewhere", px=3000)  # another gateway holds it now, for 3 s
+    while "batch.paused" not in gw.log():
+        assert time.monotonic() < deadline, "the gateway went on running a batch whose lease it lost"
+        time.sleep(0.1)
+    assert "batch.lease_lost" in gw.log()
+    done = _wait(client, batch.id, ("completed",))
+    assert (done.request_counts.total, done.request_counts.completed) == (30, 30)
+    ids = [json.loads(x)["custom_id"] for x in client.files.content(done.output_file_id).text.splitlines()]
     assert sorted(ids) == sorted(f"req-{i}" for i in range(30)), "every line answered once"
