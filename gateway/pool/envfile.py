@@ -34,11 +34,11 @@ def settings() -> dict[str, Setting]:
     from gateway.cli import main
     from gateway.settings import GatewaySettings
     from store.settings import StoreSettings
-    from worker.settings import WorkerSettings
+    from worker.settings import PoolSettings, WorkerSettings
 
     out: dict[str, Setting] = {}
     seen: set[str] = set()
-    for cls in (StoreSettings, WorkerSettings, GatewaySettings):
+    for cls in (StoreSettings, PoolSettings, WorkerSettings, GatewaySettings):
         prefix = cls.model_config.get("env_prefix", "")
         assert prefix == ENV_PREFIX, f"{cls.__name__} reads {prefix!r}, not {ENV_PREFIX!r}"
         for name, field in cls.model_fields.items():
@@ -218,7 +218,8 @@ HEADER = """\
 
 SECTIONS = {
     "StoreSettings": "kvpool settings: store (Redis index, blob backend)",
-    "WorkerSettings": "kvpool settings: workers (the gateway reads them too: both must agree on model, KV layout, chunk size)",
+    "PoolSettings": "kvpool settings: the pool (the gateway and the workers read them, and must agree: model, chunk size, queue)",
+    "WorkerSettings": "kvpool settings: workers (llama.cpp, the KV layout, publishing)",
     "GatewaySettings": "kvpool settings: gateway",
     "command": "kvpool settings: logging (options of the kvpool command)",
 }
