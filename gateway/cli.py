@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib
 
 import click
-from pydantic import ValidationError
 
+from gateway.settings import GatewaySettings
+from store.clitools import pass_settings
 from store.logs import configure_logging
 from store.settings import StoreSettings
 
@@ -40,34 +41,25 @@ class _LazyGroup(click.Group):
 @click.group(cls=_LazyGroup)
 @click.option("--log-level", default="INFO", show_default=True, envvar="KVPOOL_LOG_LEVEL", help="Logging level.")
 @click.option("--log-json", is_flag=True, envvar="KVPOOL_LOG_JSON", help="Log one JSON object per line.")
-@click.pass_context
-def main(ctx: click.Context, log_level: str, log_json: bool) -> None:
+@pass_settings(StoreSettings)
+def main(settings: StoreSettings, log_level: str, log_json: bool) -> None:
     """kvpool: share llama.cpp prompt state across a pool of inference workers.
 
     Settings come from KVPOOL_* environment variables.
     """
     configure_logging(log_level, log_json)
-    try:
-        ctx.obj = StoreSettings()
-    except ValidationError as e:
-        raise click.ClickException(f"bad settings: {e}") from None
 
 
 @click.command("gateway")
 @click.option("--host", default=None, help="Listen address (default: KVPOOL_HOST).")
 @click.option("--port", default=None, type=int, help="Listen port (default: KVPOOL_PORT).")
-def gateway_command(host: str | None, port: int | None) -> None:
+@pass_settings(GatewaySettings)
+def gateway_command(settings: GatewaySettings, host: str | None, port: int | None) -> None:
     """Serve the OpenAI-compatible API over the worker pool (settings from KVPOOL_* variables)."""
     import uvicorn
-    from pydantic import ValidationError
 
     from gateway.app import create_app
-    from gateway.settings import GatewaySettings
 
-    try:
-        settings = GatewaySettings()
-    except ValidationError as e:
-        raise click.ClickException(f"bad settings: {e}") from None
     try:
         app = create_app(settings)
     except FileNotFoundError as e:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import click
 import httpx
-from pydantic import ValidationError
 
 from gateway.pool.procs import GatewayProcess, RedisServer, WorkerProcess, free_port
 from gateway.settings import GatewaySettings
+from store.clitools import pass_settings
 from worker.models.fetch import resolve_model
 
 Say = Callable[[str], None]
@@ -162,15 +162,14 @@ def demo_requests(url: str, model: str, say: Say) -> None:
 )
 @click.option("--workers", type=int, default=None, help="Worker processes (default: what the cores allow).")
 @click.option("--threads", type=int, default=None, help="Threads per worker.")
-@click.option("--port", type=int, default=None, help="Gateway port (default: KVPOOL_PORT; 0 picks a free one).")
+@click.option("--port", type=click.IntRange(0, 65535), default=None, help="Gateway port (default: KVPOOL_PORT; 0 picks a free one).")
 @click.option("--demo", is_flag=True, help="Send two example requests, print what happened, then stop.")
-def up_command(model: str | None, workers: int | None, threads: int | None, port: int | None, demo: bool) -> None:
+@pass_settings(GatewaySettings)
+def up_command(
+    settings: GatewaySettings, model: str | None, workers: int | None, threads: int | None, port: int | None, demo: bool
+) -> None:
     """Start a working pool on this machine: Redis, the store, workers and the gateway."""
-    overrides = {k: v for k, v in {"model": model, "port": port}.items() if v is not None}
-    try:
-        settings = GatewaySettings(**overrides)
-    except ValidationError as e:
-        raise click.ClickException(f"bad settings: {e}") from None
+    settings = settings.model_copy(update={k: v for k, v in {"model": model, "port": port}.items() if v is not None})
     n, t = default_workers()
     pool = LocalPool(settings, workers=workers or n, threads=threads or t, say=click.echo)
     stop = threading.Event()

@@ -50,7 +50,7 @@ def test_verify_reports_and_repairs(filled) -> None:
     env, store, keys = filled
     assert kvpool(env, "store", "verify").returncode == 0
     name = str(BlobName(NS.key, 4, keys[4]))
-    store.backends.put(name, store.backends.get(name)[:-3])
+    store.backend.put(name, store.backend.get(name)[:-3])
     bad = kvpool(env, "store", "verify")
     assert bad.returncode == 1 and name in bad.stdout and "1 bad" in bad.stdout
     assert kvpool(env, "store", "verify", "--repair").returncode == 0
@@ -90,6 +90,7 @@ def test_parse_size() -> None:
         parse_size("5 parsecs")
 
 
-def test_bad_settings_are_a_clear_error(tmp_path: Path) -> None:
-    out = kvpool({"KVPOOL_CHUNK_SIZE": "abc", "KVPOOL_STORE_URL": str(tmp_path)}, "store", "stats")
-    assert out.returncode == 1 and "chunk_size" in out.stderr and "Traceback" not in out.stderr
+def test_bad_settings_are_a_usage_error_naming_the_variable(tmp_path: Path) -> None:
+    out = kvpool({"KVPOOL_IO_THREADS": "abc", "KVPOOL_STORE_URL": str(tmp_path)}, "store", "stats")
+    assert out.returncode == 2 and "Usage: kvpool" in out.stderr and "Traceback" not in out.stderr
+    assert "KVPOOL_IO_THREADS: Input should be a valid integer" in out.stderr
