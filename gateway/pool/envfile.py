@@ -15,6 +15,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from pydantic_settings import BaseSettings
+
 ENV_PREFIX = "KVPOOL_"
 
 
@@ -69,6 +71,12 @@ def render_env_value(value: Any) -> str:
     if isinstance(value, (dict, list)):
         return json.dumps(value, separators=(",", ":"))
     return str(value)
+
+
+def settings_env(settings: BaseSettings) -> dict[str, str]:
+    """The ``KVPOOL_*`` variables that give a process the values set in ``settings`` (those not left at their default)."""
+    prefix = settings.model_config.get("env_prefix") or ""
+    return {f"{prefix}{name.upper()}": render_env_value(getattr(settings, name)) for name in sorted(settings.model_fields_set)}
 
 
 @cache
