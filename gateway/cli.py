@@ -24,6 +24,8 @@ _GROUPS = {
     "bench-index": "gateway.pool.bench.index_scale:bench_index_command",
     "bench-resume": "gateway.pool.bench.resume:bench_resume_command",
 }
+EXTRAS = {"up": "pool", "docs": "pool", "bench": "bench", "bench-peers": "bench", "bench-index": "bench", "bench-resume": "bench"}
+"""The pyproject extra each command needs beyond kvpool's own dependencies (the pool tools'; a worker or gateway needs none)."""
 
 
 class _LazyGroup(click.Group):
@@ -35,7 +37,26 @@ class _LazyGroup(click.Group):
         if target is None:
             return None
         module, _, attr = target.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        try:
+            command: click.Command = getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as e:
+            if e.name is None or e.name.split(".")[0] in ("gateway", "worker", "store"):
+                raise
+            return _not_installed(name, e.name)
+        return command
+
+
+def _not_installed(name: str, missing: str) -> click.Command:
+    """A stand-in for a command whose extra is not installed: listed in --help, and saying what to install when run."""
+    why = f"needs {missing}, which is not installed: pip install 'kvpool[{EXTRAS.get(name, 'test')}]'"
+
+    def fail() -> None:
+        raise click.ClickException(f"kvpool {name} {why}")
+
+    settings = {"ignore_unknown_options": True, "allow_extra_args": True}
+    return click.Command(
+        name, callback=fail, help=why, short_help=f"(not installed) {why}", context_settings=settings, add_help_option=False
+    )
 
 
 @click.group(cls=_LazyGroup)

@@ -72,7 +72,10 @@ def make(size: str, seed: int, out: Path | None) -> None:
     """Write a deterministic random-weight llama GGUF model."""
     path = out if out is not None else DEFAULT_MODEL_DIR / model_filename(size, seed)
     started = time.monotonic()
-    make_model(size, path, seed)
+    try:
+        make_model(size, path, seed)
+    except ModuleNotFoundError as e:
+        raise click.ClickException(str(e)) from None
     elapsed = time.monotonic() - started
     size_mb = path.stat().st_size / 1e6
     click.echo(f"{path}  {size_mb:.1f} MB  {SIZES[size].n_params:,} parameters  ({elapsed:.1f} s)")

@@ -31,8 +31,6 @@ class Setting:
 @cache
 def settings() -> dict[str, Setting]:
     """Every kvpool environment variable: the settings fields and the ``kvpool`` command's own options."""
-    from pydantic_core import PydanticUndefined
-
     from gateway.cli import main
     from gateway.settings import GatewaySettings
     from store.settings import StoreSettings
@@ -47,9 +45,7 @@ def settings() -> dict[str, Setting]:
             if name in seen:
                 continue
             seen.add(name)
-            default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
-            if default is PydanticUndefined:
-                default = None
+            default = None if field.is_required() else field.get_default(call_default_factory=True)
             out[f"{prefix}{name.upper()}"] = Setting(f"{prefix}{name.upper()}", field.description or "", default, cls.__name__)
     for param in main.params:
         envvars = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or [])

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,3 +54,26 @@ def test_a_setting_only_the_pool_reads_does_not_stop_a_store_command(tmp_path: P
     result = CliRunner().invoke(main, ["store", "stats", "--json"], env=env)
     assert result.exit_code == 0, result.output
     assert '"chunks": 0' in result.output
+
+
+def kvpool_without(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``kvpool ARGS`` in a Python where ``module`` cannot be imported, as when its extra is not installed."""
+    code = f"import sys; sys.modules[{module!r}] = None; from gateway.cli import main; main({list(args)!r}, prog_name='kvpool')"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_without_the_pool_extra_the_pool_commands_say_what_to_install() -> None:
+    shown = kvpool_without("httpx", "--help")
+    assert shown.returncode == 0, shown.stderr
+    assert re.search(r"up\s+\(not installed\) needs httpx", shown.stdout) and re.search(r"gateway\s+Serve", shown.stdout)
+    up = kvpool_without("httpx", "up", "--demo")
+    assert up.returncode == 1 and "Traceback" not in up.stderr
+    assert "kvpool up needs httpx, which is not installed: pip install 'kvpool[pool]'" in up.stderr
+
+
+def test_without_gguf_a_worker_starts_and_model_make_says_what_to_install(tmp_path: Path) -> None:
+    assert kvpool_without("gguf", "worker", "--help").returncode == 0
+    make = kvpool_without("gguf", "model", "make", "--out", str(tmp_path / "m.gguf"))
+    assert make.returncode == 1 and "Traceback" not in make.stderr
+    assert "generating a model needs the gguf package: pip install 'kvpool[synth]'" in make.stderr
+    assert not (tmp_path / "m.gguf").exists()
