@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib
 
 import click
-from pydantic import ValidationError
 
+from gateway.settings import GatewaySettings
+from store.clitools import pass_settings
 from store.logs import configure_logging
 from store.settings import StoreSettings
 
@@ -23,6 +24,8 @@ _GROUPS = {
     "bench-index": "gateway.pool.bench.index_scale:bench_index_command",
     "bench-resume": "gateway.pool.bench.resume:bench_resume_command",
 }
+EXTRAS = {"up": "pool", "docs": "pool", "bench": "bench", "bench-peers": "bench", "bench-index": "bench", "bench-resume": "bench"}
+"""The pyproject extra each command needs beyond kvpool's own dependencies (the pool tools'; a worker or gateway needs none)."""
 
 
 class _LazyGroup(click.Group):
@@ -34,40 +37,50 @@ class _LazyGroup(click.Group):
         if target is None:
             return None
         module, _, attr = target.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        try:
+            command: click.Command = getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as e:
+            if e.name is None or e.name.split(".")[0] in ("gateway", "worker", "store"):
+                raise
+            return _not_installed(name, e.name)
+        return command
+
+
+def _not_installed(name: str, missing: str) -> click.Command:
+    """A stand-in for a command whose extra is not installed: listed in --help, and saying what to install when run."""
+    why = f"needs {missing}, which is not installed: pip install 'kvpool[{EXTRAS.get(name, 'test')}]'"
+
+    def fail() -> None:
+        raise click.ClickException(f"kvpool {name} {why}")
+
+    settings = {"ignore_unknown_options": True, "allow_extra_args": True}
+    return click.Command(
+        name, callback=fail, help=why, short_help=f"(not installed) {why}", context_settings=settings, add_help_option=False
+    )
 
 
 @click.group(cls=_LazyGroup)
 @click.option("--log-level", default="INFO", show_default=True, envvar="KVPOOL_LOG_LEVEL", help="Logging level.")
 @click.option("--log-json", is_flag=True, envvar="KVPOOL_LOG_JSON", help="Log one JSON object per line.")
-@click.pass_context
-def main(ctx: click.Context, log_level: str, log_json: bool) -> None:
+@pass_settings(StoreSettings)
+def main(settings: StoreSettings, log_level: str, log_json: bool) -> None:
     """kvpool: share llama.cpp prompt state across a pool of inference workers.
 
     Settings come from KVPOOL_* environment variables.
     """
     configure_logging(log_level, log_json)
-    try:
-        ctx.obj = StoreSettings()
-    except ValidationError as e:
-        raise click.ClickException(f"bad settings: {e}") from None
 
 
 @click.command("gateway")
 @click.option("--host", default=None, help="Listen address (default: KVPOOL_HOST).")
 @click.option("--port", default=None, type=int, help="Listen port (default: KVPOOL_PORT).")
-def gateway_command(host: str | None, port: int | None) -> None:
+@pass_settings(GatewaySettings)
+def gateway_command(settings: GatewaySettings, host: str | None, port: int | None) -> None:
     """Serve the OpenAI-compatible API over the worker pool (settings from KVPOOL_* variables)."""
     import uvicorn
-    from pydantic import ValidationError
 
     from gateway.app import create_app
-    from gateway.settings import GatewaySettings
 
-    try:
-        settings = GatewaySettings()
-    except ValidationError as e:
-        raise click.ClickException(f"bad settings: {e}") from None
     try:
         app = create_app(settings)
     except FileNotFoundError as e:

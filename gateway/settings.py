@@ -1,17 +1,18 @@
 """Settings of the gateway (``KVPOOL_`` environment variables).
 
-They extend the worker's: the gateway computes chain keys, so it must agree with the
-workers on the model file, the KV layout and the chunk size.
+They extend the pool's (`worker.settings.PoolSettings`, itself the store's plus what the
+gateway and the workers must agree on): the gateway computes chain keys and submits jobs,
+so it reads the same model file, chunk size, context size and queue as the workers.
 """
 
 from __future__ import annotations
 
 from pydantic import Field
 
-from worker.settings import WorkerSettings
+from worker.settings import PoolSettings
 
 
-class GatewaySettings(WorkerSettings):
+class GatewaySettings(PoolSettings):
     host: str = Field("127.0.0.1", description="Address the gateway listens on.")
     port: int = Field(8000, ge=0, le=65535, description="Port the gateway listens on.")
     model_name: str = Field("", description="Model id served in the API (default: the GGUF file name without .gguf).")

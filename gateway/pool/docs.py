@@ -15,7 +15,13 @@ from prometheus_client import REGISTRY
 
 from gateway.pool import envfile
 
-_OWNERS = {"StoreSettings": "store", "WorkerSettings": "worker", "GatewaySettings": "gateway"}
+_OWNERS = {
+    "StoreSettings": "store",
+    "PoolSettings": "gateway, worker",
+    "WorkerSettings": "worker",
+    "GatewaySettings": "gateway",
+    "command": "every command",
+}
 
 
 def _default(value: object) -> str:
@@ -25,8 +31,7 @@ def _default(value: object) -> str:
 def settings_table() -> str:
     rows = ["| variable | used by | default | meaning |", "|---|---|---|---|"]
     for env, s in envfile.settings().items():
-        if s.section in _OWNERS:
-            rows.append(f"| `{env}` | {_OWNERS[s.section]} | {_default(s.default)} | {s.description.replace('|', '/')} |")
+        rows.append(f"| `{env}` | {_OWNERS[s.section]} | {_default(s.default)} | {s.description.replace('|', '/')} |")
     return "\n".join(rows)
 
 

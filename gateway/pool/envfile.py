@@ -15,6 +15,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from pydantic_settings import BaseSettings
+
 ENV_PREFIX = "KVPOOL_"
 
 
@@ -29,25 +31,21 @@ class Setting:
 @cache
 def settings() -> dict[str, Setting]:
     """Every kvpool environment variable: the settings fields and the ``kvpool`` command's own options."""
-    from pydantic_core import PydanticUndefined
-
     from gateway.cli import main
     from gateway.settings import GatewaySettings
     from store.settings import StoreSettings
-    from worker.settings import WorkerSettings
+    from worker.settings import PoolSettings, WorkerSettings
 
     out: dict[str, Setting] = {}
     seen: set[str] = set()
-    for cls in (StoreSettings, WorkerSettings, GatewaySettings):
+    for cls in (StoreSettings, PoolSettings, WorkerSettings, GatewaySettings):
         prefix = cls.model_config.get("env_prefix", "")
         assert prefix == ENV_PREFIX, f"{cls.__name__} reads {prefix!r}, not {ENV_PREFIX!r}"
         for name, field in cls.model_fields.items():
             if name in seen:
                 continue
             seen.add(name)
-            default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
-            if default is PydanticUndefined:
-                default = None
+            default = None if field.is_required() else field.get_default(call_default_factory=True)
             out[f"{prefix}{name.upper()}"] = Setting(f"{prefix}{name.upper()}", field.description or "", default, cls.__name__)
     for param in main.params:
         envvars = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or [])
@@ -69,6 +67,12 @@ def render_env_value(value: Any) -> str:
     if isinstance(value, (dict, list)):
         return json.dumps(value, separators=(",", ":"))
     return str(value)
+
+
+def settings_env(settings: BaseSettings) -> dict[str, str]:
+    """The ``KVPOOL_*`` variables that give a process the values set in ``settings`` (those not left at their default)."""
+    prefix = settings.model_config.get("env_prefix") or ""
+    return {f"{prefix}{name.upper()}": render_env_value(getattr(settings, name)) for name in sorted(settings.model_fields_set)}
 
 
 @cache
@@ -218,7 +222,8 @@ HEADER = """\
 
 SECTIONS = {
     "StoreSettings": "kvpool settings: store (Redis index, blob backend)",
-    "WorkerSettings": "kvpool settings: workers (the gateway reads them too: both must agree on model, KV layout, chunk size)",
+    "PoolSettings": "kvpool settings: the pool (the gateway and the workers read them, and must agree: model, chunk size, queue)",
+    "WorkerSettings": "kvpool settings: workers (llama.cpp, the KV layout, publishing)",
     "GatewaySettings": "kvpool settings: gateway",
     "command": "kvpool settings: logging (options of the kvpool command)",
 }

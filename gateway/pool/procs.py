@@ -83,14 +83,20 @@ def _tail(path: str, limit: int = 3000) -> str:
         return f"(unreadable: {e})"
 
 
+def child_env(env: dict[str, str] | None = None, *, inherit_settings: bool = True) -> dict[str, str]:
+    """This process's environment plus ``env``; without its ``KVPOOL_*`` variables unless ``inherit_settings``."""
+    base = {k: v for k, v in os.environ.items() if inherit_settings or not k.startswith("KVPOOL_")}
+    return {**base, **(env or {})}
+
+
 class Process(ABC):
     """A child process with its output in a log file; subclasses say how to start it and when it is ready."""
 
     what = "process"
 
-    def __init__(self, log_path: os.PathLike[str] | str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, log_path: os.PathLike[str] | str, env: dict[str, str] | None = None, *, inherit_settings: bool = True) -> None:
         self.log_path = log_path
-        self.env = {**os.environ, **(env or {})}
+        self.env = child_env(env, inherit_settings=inherit_settings)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @abstractmethod
@@ -137,8 +143,16 @@ def kvpool_command(*args: str) -> list[str]:
 class WorkerProcess(Process):
     """A ``kvpool worker``, ready once *this* process advertises itself (model loaded, self-check passed, registered)."""
 
-    def __init__(self, name: str, env: dict[str, str], log_path: os.PathLike[str] | str, redis_url: str | None = None) -> None:
-        super().__init__(log_path, {**env, "KVPOOL_WORKER_NAME": name})
+    def __init__(
+        self,
+        name: str,
+        env: dict[str, str],
+        log_path: os.PathLike[str] | str,
+        redis_url: str | None = None,
+        *,
+        inherit_settings: bool = True,
+    ) -> None:
+        super().__init__(log_path, {**env, "KVPOOL_WORKER_NAME": name}, inherit_settings=inherit_settings)
         self.name = name
         self.what = f"worker {name}"
         self.conn = redis.Redis.from_url(redis_url or self.env.get("KVPOOL_REDIS_URL", "redis://localhost:6379/0"))
@@ -164,8 +178,8 @@ class GatewayProcess(Process):
 
     what = "the gateway"
 
-    def __init__(self, env: dict[str, str], port: int, log_path: os.PathLike[str] | str) -> None:
-        super().__init__(log_path, {**env, "KVPOOL_PORT": str(port)})
+    def __init__(self, env: dict[str, str], port: int, log_path: os.PathLike[str] | str, *, inherit_settings: bool = True) -> None:
+        super().__init__(log_path, {**env, "KVPOOL_PORT": str(port)}, inherit_settings=inherit_settings)
         self.port = port
 
     @property

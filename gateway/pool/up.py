@@ -16,10 +16,11 @@ from pathlib import Path
 
 import click
 import httpx
-from pydantic import ValidationError
 
+from gateway.pool.envfile import settings_env
 from gateway.pool.procs import GatewayProcess, RedisServer, WorkerProcess, free_port
 from gateway.settings import GatewaySettings
+from store.clitools import pass_settings
 from worker.models.fetch import resolve_model
 
 Say = Callable[[str], None]
@@ -41,11 +42,18 @@ def default_workers(cores: int | None = None) -> tuple[int, int]:
 
 
 class LocalPool:
-    def __init__(self, settings: GatewaySettings, *, workers: int, threads: int, say: Say) -> None:
+    """Redis (unless the settings name one), the workers and the gateway, each started with the settings this pool was given.
+
+    Each process gets the values set in ``settings`` as ``KVPOOL_*`` variables; with
+    ``inherit_settings=False`` it gets no other ``KVPOOL_*`` variable of this process.
+    """
+
+    def __init__(self, settings: GatewaySettings, *, workers: int, threads: int, say: Say, inherit_settings: bool = True) -> None:
         self.settings = settings
         self.n_workers = workers
         self.threads = threads
         self.say = say
+        self.inherit_settings = inherit_settings
         self.logs = settings.state_dir / "logs"
         self.redis: RedisServer | None = None
         self.workers: list[WorkerProcess] = []
@@ -53,7 +61,7 @@ class LocalPool:
 
     def start(self) -> GatewayProcess:
         self.logs.mkdir(parents=True, exist_ok=True)
-        env: dict[str, str] = {"KVPOOL_STATE_DIR": str(self.settings.state_dir)}
+        env = {**settings_env(self.settings), "KVPOOL_STATE_DIR": str(self.settings.state_dir)}
         if "redis_url" in self.settings.model_fields_set:
             redis_url = self.settings.redis_url
             self.say(f"redis    {redis_url} (configured)")
@@ -69,9 +77,10 @@ class LocalPool:
         threads = {"KVPOOL_N_THREADS": str(self.threads), "KVPOOL_N_THREADS_BATCH": str(self.threads)}
         for i in range(self.n_workers):  # all start at once; each is waited for below
             name = f"worker-{i + 1}"
-            self.workers.append(WorkerProcess(name, {**env, **threads}, self.logs / f"{name}.log").spawn())
+            log = self.logs / f"{name}.log"
+            self.workers.append(WorkerProcess(name, {**env, **threads}, log, inherit_settings=self.inherit_settings).spawn())
         port = self.settings.port or free_port()
-        self.gateway = GatewayProcess(env, port, self.logs / "gateway.log").spawn()
+        self.gateway = GatewayProcess(env, port, self.logs / "gateway.log", inherit_settings=self.inherit_settings).spawn()
         for w in self.workers:
             w.wait_ready()
             self.say(f"{w.name} ready ({self.threads} threads, log {w.log_path})")
@@ -162,15 +171,14 @@ def demo_requests(url: str, model: str, say: Say) -> None:
 )
 @click.option("--workers", type=int, default=None, help="Worker processes (default: what the cores allow).")
 @click.option("--threads", type=int, default=None, help="Threads per worker.")
-@click.option("--port", type=int, default=None, help="Gateway port (default: KVPOOL_PORT; 0 picks a free one).")
+@click.option("--port", type=click.IntRange(0, 65535), default=None, help="Gateway port (default: KVPOOL_PORT; 0 picks a free one).")
 @click.option("--demo", is_flag=True, help="Send two example requests, print what happened, then stop.")
-def up_command(model: str | None, workers: int | None, threads: int | None, port: int | None, demo: bool) -> None:
+@pass_settings(GatewaySettings)
+def up_command(
+    settings: GatewaySettings, model: str | None, workers: int | None, threads: int | None, port: int | None, demo: bool
+) -> None:
     """Start a working pool on this machine: Redis, the store, workers and the gateway."""
-    overrides = {k: v for k, v in {"model": model, "port": port}.items() if v is not None}
-    try:
-        settings = GatewaySettings(**overrides)
-    except ValidationError as e:
-        raise click.ClickException(f"bad settings: {e}") from None
+    settings = settings.model_copy(update={k: v for k, v in {"model": model, "port": port}.items() if v is not None})
     n, t = default_workers()
     pool = LocalPool(settings, workers=workers or n, threads=threads or t, say=click.echo)
     stop = threading.Event()

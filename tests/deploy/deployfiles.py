@@ -19,6 +19,8 @@ from typing import Any
 import yaml
 
 from gateway.pool import envfile
+from gateway.settings import GatewaySettings
+from worker.settings import WorkerSettings
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -44,6 +46,10 @@ _INTERPOLATION = envfile._INTERPOLATION
 
 
 # --------------------------------------------------------------------------- settings
+
+
+class AllSettings(GatewaySettings, WorkerSettings):
+    """Every kvpool setting at once: what the gateway and a worker, between them, read from one environment."""
 
 
 # --------------------------------------------------------------------------- compose

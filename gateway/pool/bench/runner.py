@@ -101,7 +101,7 @@ class ModelSession:
         }
         self.samples: list[Sample] = []
         self.batches: dict[str, object] = {}
-        self.settings = services.store_settings(prof.chunk_size)
+        self.settings = services.store_settings()
         self.probe: measure.RawGetProbe | None = None
         self.foreign = measure.ForeignLoad()
         self.round_load: float | None = None

@@ -69,10 +69,9 @@ class Services:
         assert self.redis is not None
         return redis.Redis.from_url(self.redis.url)
 
-    def store_settings(self, chunk_size: int) -> StoreSettings:
-        """The settings the workers get, for probes run from this process."""
-        env = {k.removeprefix("KVPOOL_").lower(): v for k, v in self.store_env.items()}
-        return StoreSettings(**{**env, "chunk_size": chunk_size})
+    def store_settings(self) -> StoreSettings:
+        """The store settings the workers get, for probes run from this process."""
+        return StoreSettings(**{k.removeprefix("KVPOOL_").lower(): v for k, v in self.store_env.items()})
 
     def describe_store(self) -> str:
         if self.store_kind == "fs":

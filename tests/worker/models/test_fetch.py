@@ -13,8 +13,9 @@ import pytest
 from gateway.pool.procs import S3Server
 from store.errors import StoreUnavailable
 from tests.conftest import s3_settings
-from worker.models.fetch import ModelChecksumError, fetch_model
-from worker.models.packaged import sha256_of
+from worker.models.fetch import ModelChecksumError, fetch_model, resolve_model
+from worker.models.packaged import SMOLLM2, sha256_of
+from worker.settings import PoolSettings
 
 KVPOOL = str(Path(sys.executable).parent / "kvpool")
 
@@ -115,3 +116,15 @@ def test_kvpool_model_fetch_url_is_what_an_init_container_runs(
     local = tmp_path / "models" / "s3" / "models4" / "tiny.gguf"
     assert done.stdout.startswith(str(local)) and "verified" in done.stdout
     assert local.read_bytes() == tiny_model.read_bytes()
+
+
+def test_the_default_model_comes_through_the_cache_kvpool_model_cache_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with open(cache / SMOLLM2.filename, "wb") as f:  # stands in for an earlier download (the size is what the cache checks)
+        f.truncate(SMOLLM2.size)
+    monkeypatch.setenv("KVPOOL_MODEL_CACHE", str(cache))
+    got = resolve_model(PoolSettings(state_dir=tmp_path / "state"))
+    assert got == tmp_path / "state" / "models" / SMOLLM2.filename
+    with open(got, "rb") as f:
+        assert f.read(4) == bytes(4), "not the file in KVPOOL_MODEL_CACHE"
