@@ -34,6 +34,7 @@ class PoolSettings(StoreSettings):
     queue: str = Field("kvpool", description="The shared job queue.")
     job_attempts: int = Field(3, ge=1, le=10, description="Times a job is tried when its worker dies.")
     job_timeout_s: int = Field(600, ge=1, description="Longest a single job may run.")
+    stream_ttl_s: int = Field(300, ge=1, description="How long a job's token stream is kept after its last event.")
 
 
 class WorkerSettings(PoolSettings):
@@ -61,7 +62,6 @@ class WorkerSettings(PoolSettings):
     )
     worker_name: str = Field("", description="Worker name (default: host and pid).")
     heartbeat_s: float = Field(2.0, gt=0, description="How often a busy worker proves it is alive.")
-    stream_ttl_s: int = Field(300, ge=1, description="How long a job's token stream is kept after its last event.")
     stream_interval_ms: float = Field(
         30.0,
         ge=0,
