@@ -92,6 +92,8 @@ def _require_workers(conn: redis.Redis) -> int:
 
 
 class _Interrupted(Exception):
+    """SIGTERM, raised in the main thread to unwind the run as Ctrl-C does; control flow, never an API error."""
+
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.status = 128 + signum

@@ -40,7 +40,11 @@ POLL_BLOCK_MS = 500
 
 
 class BatchAborted(Exception):
-    """The batch cannot go on (no worker, no progress); what is answered stays answered, a rerun resumes."""
+    """The batch cannot go on (no worker, no progress); what is answered stays answered, a rerun resumes.
+
+    Control flow, not an API error: no request failed, so nothing is answered with it. The
+    command prints it and exits 1; the batch service leaves the batch active to try later.
+    """
 
 
 @dataclass

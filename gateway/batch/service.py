@@ -20,7 +20,7 @@ from gateway.batch.plan import Request, plan, prepare
 from gateway.batch.records import ACTIVE_BATCHES_KEY, Batches, RedisResults, RunnerLease
 from gateway.batch.results import Tally
 from gateway.batch.runner import BatchAborted, Runner
-from gateway.errors import NotFound
+from gateway.errors import NotFound, Overloaded, to_api_error
 from gateway.prepare import Preparer
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant
@@ -32,7 +32,11 @@ POLL_S = 1.0
 
 
 class Cancelled(Exception):
-    """The batch was cancelled while it ran."""
+    """The batch was cancelled while it ran: raised from the runner's progress callback to unwind it.
+
+    Control flow inside this module, not an API error: `BatchService.run` catches it and
+    finishes the batch as ``cancelled``.
+    """
 
 
 def _check_endpoint(entry: Parsed | Rejected, endpoint: str) -> Parsed | Rejected:
@@ -74,8 +78,9 @@ class BatchService:
         while not self._stop.wait(POLL_S):
             try:
                 self.run_pending()
-            except redis.RedisError as e:
-                log.warning("batch.redis_unavailable", extra={"reason": str(e)})
+            except (redis.RedisError, Overloaded) as e:  # Redis or the store away: tried again on the next poll
+                err = to_api_error(e)
+                log.warning("batch.unavailable", extra={"code": err.code, "reason": f"{type(e).__name__}: {e}"})
             except Exception:
                 log.exception("batch.loop_failed")
 
