@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 
 import redis
 from rq import Queue
@@ -35,10 +36,32 @@ from worker.client import submit
 from worker.protocol import JobSpec, worker_queue
 
 
+class RouteReason(StrEnum):
+    """Why a job went where it went: the ``reason`` label of ``kvpool_gateway_routed_total``."""
+
+    LOCALITY = "locality"
+    """To the private queue of the free worker whose context holds the deepest part of the chain."""
+    HOLDER_BUSY = "holder_busy"
+    """A worker holds part of the chain but is busy or its queue is long: the shared queue."""
+    NO_HOLDER = "no_holder"
+    """No worker holds any of the chain: the shared queue."""
+    BATCH_DEPENDENT = "batch_dependent"
+    """A batch sibling waiting for its leader (an RQ dependent): the shared queue."""
+
+
+class RejectReason(StrEnum):
+    """Why a request was turned away before enqueueing: the ``reason`` label of ``kvpool_gateway_rejected_total``."""
+
+    NO_MATCHING_WORKER = "no_matching_worker"
+    NO_WORKER = "no_worker"
+    QUEUE_FULL = "queue_full"
+    DEADLINE = "deadline"
+
+
 @dataclass(frozen=True)
 class Route:
     queue: str
-    reason: str
+    reason: RouteReason
     worker: str | None = None
     depth: int = 0
 
@@ -48,10 +71,10 @@ def choose(ads: list[Advert], chain: list[str], queue_lengths: dict[str, int], s
     best = max(ads, key=lambda a: a.depth(chain), default=None)
     depth = best.depth(chain) if best else 0
     if best is None or depth == 0:
-        return Route(shared, "no_holder")
+        return Route(shared, RouteReason.NO_HOLDER)
     if best.busy or queue_lengths.get(best.worker, 0) > max_queue:
-        return Route(shared, "holder_busy", best.worker, depth)
-    return Route(worker_queue(best.worker), "locality", best.worker, depth)
+        return Route(shared, RouteReason.HOLDER_BUSY, best.worker, depth)
+    return Route(worker_queue(best.worker), RouteReason.LOCALITY, best.worker, depth)
 
 
 def mismatch(live: list[Advert], model: str, chunk_size: int) -> str:
@@ -82,7 +105,7 @@ def expected_finish_s(waiting: int, workers: int, mean_job_s: float | None) -> f
 
 
 class Dispatcher:
-    def __init__(self, conn: redis.Redis, settings: GatewaySettings) -> None:
+    def __init__(self, conn: redis.Redis[bytes], settings: GatewaySettings) -> None:
         self.conn = conn
         self.settings = settings
         self.job_time = JobTime()
@@ -129,10 +152,10 @@ class Dispatcher:
         live = adverts(self.conn)
         ads = [a for a in live if a.serves(spec.model, spec.chunk_size)]
         if live and not ads:
-            metrics.REJECTED.labels("no_matching_worker").inc()
+            metrics.REJECTED.labels(RejectReason.NO_MATCHING_WORKER).inc()
             raise Overloaded(mismatch(live, spec.model, spec.chunk_size), code="no_matching_worker", headers={"Retry-After": "30"})
         if not ads and not self.settings.queue_without_workers:
-            metrics.REJECTED.labels("no_worker").inc()
+            metrics.REJECTED.labels(RejectReason.NO_WORKER).inc()
             raise Overloaded(
                 "no live worker is serving this pool; start one with `kvpool worker`", code="no_workers", headers={"Retry-After": "5"}
             )
@@ -140,7 +163,7 @@ class Dispatcher:
         waiting = sum(lengths.values())
         metrics.QUEUE_DEPTH.set(waiting)
         if waiting >= self.settings.max_waiting_jobs:
-            metrics.REJECTED.labels("queue_full").inc()
+            metrics.REJECTED.labels(RejectReason.QUEUE_FULL).inc()
             raise Overloaded(
                 f"{waiting} jobs are already waiting (limit {self.settings.max_waiting_jobs}); retry shortly",
                 code="queue_full",
@@ -148,7 +171,7 @@ class Dispatcher:
             )
         finish = expected_finish_s(waiting, len(ads), self.job_time.mean)
         if depends_on is None and finish is not None and finish > self.settings.request_timeout_s:
-            metrics.REJECTED.labels("deadline").inc()
+            metrics.REJECTED.labels(RejectReason.DEADLINE).inc()
             raise Overloaded(
                 f"{waiting} jobs are waiting for {len(ads)} worker(s); this request would not be answered within "
                 f"{self.settings.request_timeout_s:.0f} s (about {finish:.0f} s); retry later",
@@ -157,7 +180,7 @@ class Dispatcher:
             )
         route = choose(ads, spec.chain, lengths, self.settings.queue, self.settings.route_max_queue)
         if depends_on is not None:
-            route = Route(self.settings.queue, "batch_dependent")
+            route = Route(self.settings.queue, RouteReason.BATCH_DEPENDENT)
         metrics.ROUTED.labels(route.reason).inc()
         job = submit(
             self.conn,

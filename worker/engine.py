@@ -230,7 +230,7 @@ class Engine(PrefixFinder):
         out, want_lp = outs[0], spec.sampling.logprobs is not None
         return JobResult(
             text=out.text,
-            finish_reason=out.finish,  # type: ignore[arg-type]
+            finish_reason=out.finish,
             tokens=out.tokens,
             usage=Usage(
                 prompt_tokens=n,
@@ -242,10 +242,10 @@ class Engine(PrefixFinder):
             ),
             timings=timings,
             worker=self.name,
-            store_status=plan.store_status,  # type: ignore[arg-type]
+            store_status=plan.store_status,
             logprobs=out.logprobs if want_lp else None,
             extra_choices=[
-                ChoiceResult(index=o.index, text=o.text, finish_reason=o.finish, tokens=o.tokens, logprobs=o.logprobs if want_lp else None)  # type: ignore[arg-type]
+                ChoiceResult(index=o.index, text=o.text, finish_reason=o.finish, tokens=o.tokens, logprobs=o.logprobs if want_lp else None)
                 for o in outs[1:]
             ],
             prompt_logprobs=scored,

@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 import uuid
+from enum import StrEnum
 from typing import Any
 
 import redis
@@ -38,7 +39,23 @@ ACTIVE_BATCHES_KEY = "kvpool:batches-active"
 log = logging.getLogger("kvpool.batches")
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
-FINAL = ("completed", "failed", "cancelled", "expired")
+
+
+class BatchStatus(StrEnum):
+    """A batch's ``status``, as OpenAI's Batch object names them (each but ``finalizing`` is one kvpool sets)."""
+
+    VALIDATING = "validating"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+FINAL = frozenset({BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.CANCELLED, BatchStatus.EXPIRED})
+"""The statuses a batch never leaves."""
 
 
 def _tenant_key(tenant: Tenant) -> str:
@@ -64,7 +81,7 @@ class Batches:
             "errors": None,
             "input_file_id": input_file_id,
             "completion_window": window,
-            "status": "validating",
+            "status": BatchStatus.VALIDATING,
             "output_file_id": None,
             "error_file_id": None,
             "created_at": now,
@@ -103,7 +120,7 @@ class Batches:
 
         def change(pipe: redis.client.Pipeline) -> dict[str, Any]:
             rec = json.loads(pipe.get(BATCH_PREFIX + batch_id))
-            if rec["status"] == "cancelling" and fields.get("status") == "in_progress":
+            if rec["status"] == BatchStatus.CANCELLING and fields.get("status") == BatchStatus.IN_PROGRESS:
                 fields.pop("status")
             rec.update(fields)
             pipe.multi()
@@ -116,9 +133,9 @@ class Batches:
 
     def cancel(self, tenant: Tenant, batch_id: str) -> dict[str, Any]:
         rec = self.get(tenant, batch_id)
-        if rec["status"] in FINAL or rec["status"] == "cancelling":
+        if rec["status"] in FINAL or rec["status"] == BatchStatus.CANCELLING:
             return rec
-        return self.update(batch_id, status="cancelling", cancelling_at=int(time.time()))
+        return self.update(batch_id, status=BatchStatus.CANCELLING, cancelling_at=int(time.time()))
 
     def list(self, tenant: Tenant, limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool]:
         """The tenant's batches, newest first, after the one named; and whether there are more."""

@@ -17,7 +17,7 @@ import redis
 from gateway.batch.files import Files
 from gateway.batch.lines import Line, Parsed, Rejected, parse_all, request_result_id, result_id_of
 from gateway.batch.plan import Request, plan, prepare
-from gateway.batch.records import ACTIVE_BATCHES_KEY, Batches, RedisResults, RunnerLease
+from gateway.batch.records import ACTIVE_BATCHES_KEY, Batches, BatchStatus, RedisResults, RunnerLease
 from gateway.batch.results import Tally
 from gateway.batch.runner import BatchAborted, Runner
 from gateway.errors import NotFound, Overloaded, to_api_error
@@ -104,33 +104,36 @@ class BatchService:
             return
         tenant = Tenant(rec["_tenant"], rec["_salt"])
         out = RedisResults(self.conn, batch_id).load()
-        if rec["status"] == "cancelling":
-            self._finish(rec, tenant, out, rec["request_counts"]["total"], "cancelled")
+        if rec["status"] == BatchStatus.CANCELLING:
+            self._finish(rec, tenant, out, rec["request_counts"]["total"], BatchStatus.CANCELLED)
             return
         try:
             entries = [_check_endpoint(e, rec["endpoint"]) for e in parse_all(_lines(self.files.content(tenant, rec["input_file_id"])))]
         except NotFound as e:
             self.batches.update(
                 batch_id,
-                status="failed",
+                status=BatchStatus.FAILED,
                 failed_at=int(time.time()),
                 errors={"object": "list", "data": [{"code": "file_not_found", "message": e.message}]},
             )
             return
         total = len(entries)
         self.batches.update(
-            batch_id, status="in_progress", in_progress_at=rec["in_progress_at"] or int(time.time()), request_counts=out.counts(total)
+            batch_id,
+            status=BatchStatus.IN_PROGRESS,
+            in_progress_at=rec["in_progress_at"] or int(time.time()),
+            request_counts=out.counts(total),
         )
         log.info("batch.running", extra={"batch": batch_id, "lines": total, "already_done": len(out.done), "gateway": self.owner})
         try:
             self._answer(batch_id, tenant, [e for e in entries if result_id_of(e) not in out.done], out, total)
         except Cancelled:
-            self._finish(self.batches.load(batch_id) or rec, tenant, out, total, "cancelled")
+            self._finish(self.batches.load(batch_id) or rec, tenant, out, total, BatchStatus.CANCELLED)
             return
         except BatchAborted as e:
             log.warning("batch.paused", extra={"batch": batch_id, "reason": str(e)})  # stays active: tried again later
             return
-        self._finish(self.batches.load(batch_id) or rec, tenant, out, total, "completed")
+        self._finish(self.batches.load(batch_id) or rec, tenant, out, total, BatchStatus.COMPLETED)
 
     def _answer(self, batch_id: str, tenant: Tenant, todo: list[Parsed | Rejected], out: RedisResults, total: int) -> None:
         tally = Tally(lines=total)
@@ -148,7 +151,7 @@ class BatchService:
                 return
             last[0] = time.monotonic()
             rec = self.batches.update(batch_id, request_counts=out.counts(total))
-            if rec["status"] == "cancelling":
+            if rec["status"] == BatchStatus.CANCELLING:
                 raise Cancelled
 
         window = max(1, self.settings.max_waiting_jobs // 2)
@@ -169,7 +172,7 @@ class BatchService:
             runner.cancel_all()
             raise
 
-    def _finish(self, rec: dict[str, Any], tenant: Tenant, out: RedisResults, total: int, status: str) -> None:
+    def _finish(self, rec: dict[str, Any], tenant: Tenant, out: RedisResults, total: int, status: BatchStatus) -> None:
         """Write the output and error files, then mark the batch done."""
         ok: list[dict[str, Any]] = []
         bad: list[dict[str, Any]] = []
