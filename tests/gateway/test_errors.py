@@ -304,7 +304,7 @@ def test_a_stream_whose_client_left_closes_its_body_at_once() -> None:
     """
     from starlette.requests import ClientDisconnect
 
-    from gateway.app import _ClosingStream
+    from gateway.answer import _ClosingStream
 
     closed: list[bool] = []
 
