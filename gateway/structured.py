@@ -144,13 +144,15 @@ def schema_grammar(schema: Any, where: str = "schema") -> str:
     """The GBNF (root rule ``root``) for output matching ``schema``, found at ``where`` in the request."""
     check_schema(schema, where)
     conv, _ = schema_rules(schema, "", where=where)
-    return conv.format_grammar()
+    grammar: str = conv.format_grammar()
+    return grammar
 
 
 def json_object_grammar() -> str:
     """Any JSON object (``response_format: json_object``)."""
     conv, _ = schema_rules({"type": "object"}, "")
-    return conv.format_grammar()
+    grammar: str = conv.format_grammar()
+    return grammar
 
 
 def verify_grammar(vocab: Any, grammar: str, param: str) -> None:

@@ -97,7 +97,7 @@ def tool_grammar(req: ChatCompletionRequest, vocab: Any) -> str | None:
             raise SchemaError(f"tools.{i}.function.parameters", f"cannot be turned into a grammar: {e}") from None
     block = conv._add_rule("tool-call-block", f'"{OPEN}\\n" ( {" | ".join(calls)} ) "\\n{CLOSE}"')
     conv._add_rule("root", f'{block} ( "\\n" {block} )*' if req.parallel_tool_calls else block)
-    grammar = conv.format_grammar()
+    grammar: str = conv.format_grammar()
     verify_grammar(vocab, grammar, "tools")
     return grammar
 

@@ -62,7 +62,7 @@ def events(conn: redis.Redis, job_id: str, *, timeout_s: float = 600.0, block_ms
 
     Raises `TimeoutError` when nothing arrives for ``timeout_s`` seconds.
     """
-    key, last = stream_key(job_id), "0"
+    key, last = stream_key(job_id), b"0"
     deadline = time.monotonic() + timeout_s
     while True:
         batch = conn.xread({key: last}, count=256, block=block_ms)
@@ -85,7 +85,7 @@ async def aevents(conn: redis.asyncio.Redis, job_id: str, *, block_ms: int = 100
     A Redis that restarts does not end the stream: reading resumes after the last entry
     seen (``None`` is yielded meanwhile, so the caller's deadline still holds).
     """
-    key, last = stream_key(job_id), "0"
+    key, last = stream_key(job_id), b"0"
     while True:
         try:
             batch = await conn.xread({key: last}, count=256, block=block_ms)

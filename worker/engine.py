@@ -117,7 +117,9 @@ class Engine(PrefixFinder):
         self.publisher = Publisher(store, settings.publish_queue, self.labels) if store and settings.publish else None
         self.eval_rate = EvalRate()
         self.leases = (
-            Leases(store.index.r, name, settings.lease_s, settings.lease_wait_min_s) if self.publisher and settings.coalesce else None
+            Leases(store.index.r, name, settings.lease_s, settings.lease_wait_min_s)
+            if store is not None and self.publisher and settings.coalesce
+            else None
         )
 
     def namespace(self, tenant_salt: str) -> Namespace:

@@ -81,7 +81,7 @@ def resolve_tenant(settings: GatewaySettings, tenant_id: str | None) -> Tenant:
     return Tenant(tenant_id, tenants.salt(tenant_id))
 
 
-def _require_workers(conn: redis.Redis) -> int:
+def _require_workers(conn: redis.Redis[bytes]) -> int:
     try:
         n = len(adverts(conn))
     except redis.RedisError as e:
@@ -159,7 +159,7 @@ def run_batch(
 
 def _run(
     settings: GatewaySettings,
-    conn: redis.Redis,
+    conn: redis.Redis[bytes],
     todo: list[Parsed | Rejected],
     out: ResultFile,
     tally: Tally,

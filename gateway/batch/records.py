@@ -15,13 +15,14 @@ lines go to an output file (status 200) and an error file (the rest), and the ba
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import threading
 import time
 import uuid
 from enum import StrEnum
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -65,7 +66,7 @@ def _tenant_key(tenant: Tenant) -> str:
 class Batches:
     """Batch records: created by the API, updated by the runner, read back per tenant."""
 
-    def __init__(self, conn: redis.Redis) -> None:
+    def __init__(self, conn: redis.Redis[bytes]) -> None:
         self.conn = conn
 
     def create(self, tenant: Tenant, input_file_id: str, endpoint: str, window: str, metadata: dict[str, str] | None) -> dict[str, Any]:
@@ -118,8 +119,8 @@ class Batches:
     def update(self, batch_id: str, **fields: Any) -> dict[str, Any]:
         """Change fields of a record atomically (a cancel may race with the runner)."""
 
-        def change(pipe: redis.client.Pipeline) -> dict[str, Any]:
-            rec = json.loads(pipe.get(BATCH_PREFIX + batch_id))
+        def change(pipe: redis.client.Pipeline[bytes]) -> dict[str, Any]:
+            rec: dict[str, Any] = json.loads(cast(bytes, pipe.get(BATCH_PREFIX + batch_id)))  # WATCHed: a read, not a queued command
             if rec["status"] == BatchStatus.CANCELLING and fields.get("status") == BatchStatus.IN_PROGRESS:
                 fields.pop("status")
             rec.update(fields)
@@ -129,7 +130,8 @@ class Batches:
                 pipe.zrem(ACTIVE_BATCHES_KEY, batch_id)
             return rec
 
-        return self.conn.transaction(change, BATCH_PREFIX + batch_id, value_from_callable=True)
+        rec: dict[str, Any] = self.conn.transaction(change, BATCH_PREFIX + batch_id, value_from_callable=True)
+        return rec
 
     def cancel(self, tenant: Tenant, batch_id: str) -> dict[str, Any]:
         rec = self.get(tenant, batch_id)
@@ -137,7 +139,7 @@ class Batches:
             return rec
         return self.update(batch_id, status=BatchStatus.CANCELLING, cancelling_at=int(time.time()))
 
-    def list(self, tenant: Tenant, limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool]:
+    def list(self, tenant: Tenant, limit: int, after: str | None) -> tuple[builtins.list[dict[str, Any]], bool]:
         """The tenant's batches, newest first, after the one named; and whether there are more."""
         key = _tenant_key(tenant)
         start = 0
@@ -150,7 +152,7 @@ class Batches:
         recs = [r for r in (self.load(i) for i in ids) if r is not None]
         return recs[:limit], len(recs) > limit
 
-    def active(self) -> list[str]:
+    def active(self) -> builtins.list[str]:
         return [i.decode() for i in self.conn.zrange(ACTIVE_BATCHES_KEY, 0, -1)]
 
 
@@ -162,7 +164,7 @@ def public(rec: dict[str, Any]) -> dict[str, Any]:
 class RedisResults:
     """The runner's output (`gateway.batch.results.ResultFile`'s interface), as a Redis list that outlives a gateway."""
 
-    def __init__(self, conn: redis.Redis, batch_id: str) -> None:
+    def __init__(self, conn: redis.Redis[bytes], batch_id: str) -> None:
         self.conn = conn
         self.key = BATCH_PREFIX + batch_id + ":results"
         self.done: set[str] = set()
@@ -191,7 +193,7 @@ class RedisResults:
 class RunnerLease:
     """One gateway runs a batch at a time: a lease renewed by a thread while it runs."""
 
-    def __init__(self, conn: redis.Redis, batch_id: str, owner: str, lease_s: float) -> None:
+    def __init__(self, conn: redis.Redis[bytes], batch_id: str, owner: str, lease_s: float) -> None:
         self.conn, self.key, self.owner, self.lease_ms = conn, BATCH_PREFIX + batch_id + ":runner", owner, int(lease_s * 1000)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -57,7 +57,7 @@ def _lines(data: bytes) -> list[Line]:
 
 
 class BatchService:
-    def __init__(self, settings: GatewaySettings, preparer: Preparer, files: Files, conn: redis.Redis) -> None:
+    def __init__(self, settings: GatewaySettings, preparer: Preparer, files: Files, conn: redis.Redis[bytes]) -> None:
         self.settings = settings
         self.preparer = preparer
         self.files = files
@@ -161,7 +161,7 @@ class BatchService:
             self.preparer.model_name,
             plan(requests, self.settings.chunk_size),
             out,
-            tally,  # type: ignore[arg-type]
+            tally,
             window=window,
             worker_grace_s=self.settings.batch_worker_grace_s,
             on_change=changed,

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 import httpx
@@ -166,7 +167,7 @@ def demo_requests(url: str, model: str, say: Say) -> None:
 @click.option("--demo", is_flag=True, help="Send two example requests, print what happened, then stop.")
 def up_command(model: str | None, workers: int | None, threads: int | None, port: int | None, demo: bool) -> None:
     """Start a working pool on this machine: Redis, the store, workers and the gateway."""
-    overrides = {k: v for k, v in {"model": model, "port": port}.items() if v is not None}
+    overrides: dict[str, Any] = {k: v for k, v in {"model": model, "port": port}.items() if v is not None}
     try:
         settings = GatewaySettings(**overrides)
     except ValidationError as e:
