@@ -146,8 +146,6 @@ def map_exceptions() -> Iterator[None]:
     """Raise what the block raises from `MAPPED` as its API error (chained to it); anything else passes unchanged."""
     try:
         yield
-    except APIError:
-        raise
     except MAPPED as e:
         raise to_api_error(e) from e
 

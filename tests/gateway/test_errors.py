@@ -160,6 +160,12 @@ def test_a_bad_body_gets_the_same_error_over_http_and_as_a_batch_result(start_ga
     assert in_batch == over_http
 
 
+def test_a_bad_query_parameter_is_named_as_the_parameter(start_gateway) -> None:
+    gw = start_gateway()
+    err = assert_openai_error(httpx.get(gw.url + "/v1/batches", params={"limit": 0}), 400, "limit: ")
+    assert err["param"] == "limit" and not err["message"].startswith("query")
+
+
 def test_oversized_body_is_413(start_worker, start_gateway) -> None:
     start_worker("w1")
     gw = start_gateway(KVPOOL_MAX_BODY_BYTES="4096")
