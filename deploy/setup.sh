@@ -93,10 +93,10 @@ fetch_model
 case "${1:-}" in
     test)
         shift
-        say "lint: ruff check, ruff format --check, mypy (strict on store/)"
+        say "lint: ruff check, ruff format --check, mypy (strict on store/ and gateway/)"
         "$VENV/bin/ruff" check .
         "$VENV/bin/ruff" format --check .
-        "$VENV/bin/mypy" store/
+        "$VENV/bin/mypy" store/ gateway/
         exec "$VENV/bin/python" -m pytest "$@"
         ;;
     demo)

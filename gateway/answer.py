@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from gateway import metrics
-from gateway.errors import APIError, Overloaded, WorkerFailed
+from gateway.errors import APIError, WorkerFailed, to_api_error
 from gateway.prepare import Prepared
 from gateway.relay import relay
 from gateway.responses import StreamChunks, chat_body, completion_body, merged_extra, sum_usage
@@ -138,12 +138,11 @@ async def sse(gw: Gateway, request: Request, jobs: list[Submitted], include_usag
                     await events.aclose()
         if include_usage and chunks is not None:
             yield event(chunks.usage(results))
-    except APIError as e:
-        log.warning("stream.failed", extra={"job": jobs[0].job_id, "status": e.status, "reason": e.message})
+    except (APIError, redis.RedisError) as exc:  # the status line is sent: the error goes in the stream
+        e = to_api_error(exc)
+        level = logging.WARNING if e is exc else logging.ERROR  # the pool's answer, or Redis lost mid-stream
+        log.log(level, "stream.failed", extra={"job": jobs[0].job_id, "status": e.status, "reason": f"{type(exc).__name__}: {exc}"})
         yield event(e.body())
-    except redis.RedisError as e:
-        log.error("stream.failed", extra={"job": jobs[0].job_id, "reason": f"{type(e).__name__}: {e}"})
-        yield event(Overloaded(f"the job queue (Redis) was lost mid-stream: {type(e).__name__}", code="queue_unavailable").body())
     finally:
         await cancel_unfinished(gw, jobs)
     yield DONE

@@ -26,7 +26,7 @@ from gateway.batch.api import batch_router
 from gateway.batch.files import Files
 from gateway.batch.records import Batches
 from gateway.batch.service import BatchService
-from gateway.errors import APIError, InvalidRequest, Overloaded
+from gateway.errors import APIError, internal_error, to_api_error
 from gateway.idempotency import submit_once
 from gateway.middleware import BodyLimit, CountRequests
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -35,22 +35,13 @@ from gateway.state import Gateway
 from gateway.tenants import Tenant
 from gateway.tokens_api import router as tokens_router
 from store.backends import open_backend
+from store.errors import StoreUnavailable
 
 log = logging.getLogger("kvpool.gateway")
 
 
 def _error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in err.get("loc", []) if p != "body"]
-    if err.get("type") == "json_invalid":
-        return "the request body is not valid JSON", None
-    where = ".".join(loc)
-    msg = err.get("msg", "invalid request")
-    return (f"{where}: {msg}" if where else msg), (loc[0] if loc else None)
 
 
 def create_app(settings: GatewaySettings, model_path: Path | None = None) -> FastAPI:
@@ -76,7 +67,7 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
         yield
         if service is not None:
             await run_in_threadpool(service.stop)
-        await gw.aredis.aclose()
+        await gw.aredis.aclose()  # type: ignore[attr-defined]  # redis-py 5's aclose(); the types-redis stubs predate it
 
     app = FastAPI(title="kvpool", version="0.1.0", lifespan=lifespan, description="OpenAI-compatible API over a kvpool worker pool.")
     app.state.gateway = gw
@@ -113,28 +104,26 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every failure becomes one OpenAI-style error body, in this one place."""
+    """Every failure becomes one OpenAI-style error body, through `gateway.errors.to_api_error`.
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return _error_response(e)
+    A bare pydantic ValidationError is not among the mapped ones here: FastAPI raises its
+    RequestValidationError for a bad request, so any other is the pool's own data failing
+    to parse, a 500 like every exception the mapping does not know.
+    """
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(e)
-        return _error_response(InvalidRequest(message, param=param))
+    async def mapped(request: Request, e: Exception) -> JSONResponse:
+        err = to_api_error(e)
+        if err is not e and err.status >= 500:
+            log.error("request.unavailable", extra={"code": err.code, "reason": f"{type(e).__name__}: {e}"})
+        return _error_response(err)
 
-    @app.exception_handler(redis.RedisError)
-    async def _redis_down(request: Request, e: redis.RedisError) -> JSONResponse:
-        log.error("redis.unavailable", extra={"reason": str(e)})
-        return _error_response(
-            Overloaded(f"the job queue (Redis) is unreachable: {type(e).__name__}", code="queue_unavailable", headers={"Retry-After": "5"})
-        )
+    for kind in (APIError, RequestValidationError, StoreUnavailable, redis.RedisError):
+        app.add_exception_handler(kind, mapped)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:
         log.exception("request.failed")
-        return _error_response(APIError(f"internal error: {type(e).__name__}"))
+        return _error_response(internal_error(e))
 
 
 def _add_health_routes(app: FastAPI, gw: Gateway, settings: GatewaySettings) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 
 import redis
 from rq import Queue
@@ -48,10 +49,36 @@ from worker.protocol import JobSpec, worker_queue
 from worker.redis_retry import ride_out
 
 
+class RouteReason(StrEnum):
+    """Why a job went where it went: the ``reason`` label of ``kvpool_gateway_routed_total``."""
+
+    LOCALITY = "locality"
+    """To the private queue of the free worker whose context holds the deepest part of the chain."""
+    HOLDER_BUSY = "holder_busy"
+    """A worker holds part of the chain but is busy or its queue is long: the shared queue."""
+    NO_HOLDER = "no_holder"
+    """No worker holds any of the chain: the shared queue."""
+    BATCH_DEPENDENT = "batch_dependent"
+    """A batch sibling waiting for its leader (an RQ dependent): the shared queue."""
+    STORE_LAYOUT = "store_layout"
+    """In a pool of several layouts: to a free worker of the layout whose stored chunks reach deepest."""
+    STORE_LAYOUT_BUSY = "store_layout_busy"
+    """The same, but every worker of that layout is busy: the shared queue."""
+
+
+class RejectReason(StrEnum):
+    """Why a request was turned away before enqueueing: the ``reason`` label of ``kvpool_gateway_rejected_total``."""
+
+    NO_MATCHING_WORKER = "no_matching_worker"
+    NO_WORKER = "no_worker"
+    QUEUE_FULL = "queue_full"
+    DEADLINE = "deadline"
+
+
 @dataclass(frozen=True)
 class Route:
     queue: str
-    reason: str
+    reason: RouteReason
     worker: str | None = None
     depth: int = 0
 
@@ -71,14 +98,14 @@ def choose(
     if store_depth > depth:
         free = [a for a in ads if a.layout in layouts and not a.busy and queue_lengths.get(a.worker, 0) <= max_queue]
         if not free:
-            return Route(shared, "store_layout_busy", None, store_depth)
+            return Route(shared, RouteReason.STORE_LAYOUT_BUSY, None, store_depth)
         pick = min(free, key=lambda a: (queue_lengths.get(a.worker, 0), -a.depth(chain), a.worker))
-        return Route(worker_queue(pick.worker), "store_layout", pick.worker, store_depth)
+        return Route(worker_queue(pick.worker), RouteReason.STORE_LAYOUT, pick.worker, store_depth)
     if best is None or depth == 0:
-        return Route(shared, "no_holder")
+        return Route(shared, RouteReason.NO_HOLDER)
     if best.busy or queue_lengths.get(best.worker, 0) > max_queue:
-        return Route(shared, "holder_busy", best.worker, depth)
-    return Route(worker_queue(best.worker), "locality", best.worker, depth)
+        return Route(shared, RouteReason.HOLDER_BUSY, best.worker, depth)
+    return Route(worker_queue(best.worker), RouteReason.LOCALITY, best.worker, depth)
 
 
 def _deepest_layouts(stored: Mapping[str, int]) -> tuple[set[str], int]:
@@ -131,7 +158,7 @@ def expected_finish_s(waiting: int, workers: int, mean_job_s: float | None) -> f
 
 
 class Dispatcher:
-    def __init__(self, conn: redis.Redis, settings: GatewaySettings) -> None:
+    def __init__(self, conn: redis.Redis[bytes], settings: GatewaySettings) -> None:
         self.conn = conn
         self.settings = settings
         self.job_time = JobTime()
@@ -174,10 +201,10 @@ class Dispatcher:
         live = adverts(self.conn)
         ads = [a for a in live if a.serves(spec.model, spec.chunk_size)]
         if live and not ads:
-            metrics.REJECTED.labels("no_matching_worker").inc()
+            metrics.REJECTED.labels(RejectReason.NO_MATCHING_WORKER).inc()
             raise Overloaded(mismatch(live, spec.model, spec.chunk_size), code="no_matching_worker", headers={"Retry-After": "30"})
         if not ads and not self.settings.queue_without_workers:
-            metrics.REJECTED.labels("no_worker").inc()
+            metrics.REJECTED.labels(RejectReason.NO_WORKER).inc()
             raise Overloaded(
                 "no live worker is serving this pool; start one with `kvpool worker`", code="no_workers", headers={"Retry-After": "5"}
             )
@@ -185,7 +212,7 @@ class Dispatcher:
         waiting = sum(lengths.values())
         metrics.QUEUE_DEPTH.set(waiting)
         if waiting >= self.settings.max_waiting_jobs:
-            metrics.REJECTED.labels("queue_full").inc()
+            metrics.REJECTED.labels(RejectReason.QUEUE_FULL).inc()
             raise Overloaded(
                 f"{waiting} jobs are already waiting (limit {self.settings.max_waiting_jobs}); retry shortly",
                 code="queue_full",
@@ -193,7 +220,7 @@ class Dispatcher:
             )
         finish = expected_finish_s(waiting, len(ads), self.job_time.mean)
         if depends_on is None and finish is not None and finish > self.settings.request_timeout_s:
-            metrics.REJECTED.labels("deadline").inc()
+            metrics.REJECTED.labels(RejectReason.DEADLINE).inc()
             raise Overloaded(
                 f"{waiting} jobs are waiting for {len(ads)} worker(s); this request would not be answered within "
                 f"{self.settings.request_timeout_s:.0f} s (about {finish:.0f} s); retry later",
@@ -203,7 +230,7 @@ class Dispatcher:
         stored = stored_depths(self.index, ads, spec) if depends_on is None else {}
         route = choose(ads, spec.chain, lengths, self.settings.queue, self.settings.route_max_queue, stored)
         if depends_on is not None:
-            route = Route(self.settings.queue, "batch_dependent")
+            route = Route(self.settings.queue, RouteReason.BATCH_DEPENDENT)
         metrics.ROUTED.labels(route.reason).inc()
         job = submit(
             self.conn,

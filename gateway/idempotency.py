@@ -34,6 +34,7 @@ import time
 import uuid
 from enum import StrEnum
 from functools import partial
+from typing import Any
 
 import anyio
 import redis
@@ -114,7 +115,7 @@ def body_digest(path: str, body: bytes) -> str:
 class Records:
     """The records in Redis: claim with ``SET NX``, read, and move on only what is still as read (one script)."""
 
-    def __init__(self, aredis: redis.asyncio.Redis, settings: GatewaySettings) -> None:
+    def __init__(self, aredis: redis.asyncio.Redis[bytes], settings: GatewaySettings) -> None:
         self.aredis = aredis
         self.outage_s = settings.redis_outage_s
         self.ttl_ms = int(settings.idempotency_window_s() * 1000)
@@ -138,7 +139,7 @@ class Records:
         return bool(await aride_out(lambda: self._swap(keys=[key], args=[expected, value, ttl]), self.outage_s, what="idempotency"))
 
 
-async def replayable(aredis: redis.asyncio.Redis, job_ids: list[str]) -> bool:
+async def replayable(aredis: redis.asyncio.Redis[bytes], job_ids: list[str]) -> bool:
     """Whether every job can still be read to a good end: its stream whole (or still to come), not cancelled, not failed."""
     for job_id in job_ids:
         pipe = aredis.pipeline(transaction=False)
@@ -152,7 +153,7 @@ async def replayable(aredis: redis.asyncio.Redis, job_ids: list[str]) -> bool:
     return True
 
 
-def _readable(first: list, last: list, running: bool) -> bool:
+def _readable(first: list[Any], last: list[Any], running: bool) -> bool:
     if not last:  # not started yet, or its stream expired
         return running
     if not isinstance(parse_event(first[0][1]), StartEvent):  # trimmed: its first tokens are gone

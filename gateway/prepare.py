@@ -11,7 +11,7 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.structured import response_grammar
 from gateway.tenants import Tenant
-from gateway.tokenizer import TemplateError, Tokenizer
+from gateway.tokenizer import Tokenizer
 from gateway.tools import supports_tools, template_messages, template_tools, tool_grammar, uses_tools
 from store.fingerprint import fingerprint_file
 from worker.protocol import JobSpec, SamplingParams, job_spec
@@ -79,10 +79,7 @@ class Preparer:
                 param="tools",
                 code="tools_unsupported",
             )
-        try:
-            text = self.tokenizer.render_chat(template_messages(req.messages), template_tools(req))
-        except TemplateError as e:
-            raise InvalidRequest(str(e), param="messages") from None
+        text = self.tokenizer.render_chat(template_messages(req.messages), template_tools(req))
         tokens = self.tokenizer.tokenize(text, special=True)
         stops = list(req.stop or []) + [s for s in self.tokenizer.chat_stops if s not in (req.stop or [])]
         logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
@@ -43,7 +43,7 @@ CHECK_S = 2.0
 @dataclass
 class RelayContext:
     request: Request
-    aredis: redis.asyncio.Redis
+    aredis: redis.asyncio.Redis[bytes]
     job_id: str
     t0: float
     timeout_s: float
@@ -59,7 +59,7 @@ class _Attempt:
     tokens: int = 0
 
 
-async def relay(ctx: RelayContext) -> AsyncIterator[TokenEvent | JobResult]:
+async def relay(ctx: RelayContext) -> AsyncGenerator[TokenEvent | JobResult]:
     attempt = _Attempt()
     emitted = 0
     next_check = time.monotonic() + CHECK_S

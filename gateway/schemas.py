@@ -114,9 +114,10 @@ class CompletionRequest(_Common):
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a text or a list of token ids."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            return list(p)  # type: ignore[arg-type]
-        return [p]  # type: ignore[list-item]
+        if isinstance(p, str):
+            return [p]
+        many: list[str | list[int]] = [x for x in p if not isinstance(x, int)]
+        return many or [[x for x in p if isinstance(x, int)]]  # a list of prompts, else one prompt of token ids
 
 
 class JsonSchemaFormat(BaseModel):

@@ -40,11 +40,11 @@ TYPES = frozenset({"string", "number", "integer", "boolean", "null", "object", "
 FORMATS = frozenset({k.removesuffix("-string") for k in STRING_FORMAT_RULES if k.endswith("-string")} | {"uuid"})
 
 
-class SchemaError(ValueError):
-    """The schema cannot be enforced by a grammar; ``where`` is its JSON path."""
+class SchemaError(InvalidRequest):
+    """The schema cannot be enforced by a grammar: a 400 naming ``where``, its path in the request, and the top-level field as param."""
 
     def __init__(self, where: str, message: str) -> None:
-        super().__init__(f"{where}: {message}")
+        super().__init__(f"{where}: {message}", param=where.split(".", 1)[0])
         self.where = where
 
 
@@ -130,27 +130,29 @@ def _children(node: dict[str, Any], where: str) -> list[tuple[str, Any]]:
     return out
 
 
-def schema_rules(schema: Any, name: str, converter: SchemaConverter | None = None) -> tuple[SchemaConverter, str]:
+def schema_rules(schema: Any, name: str, converter: SchemaConverter | None = None, where: str = "schema") -> tuple[SchemaConverter, str]:
     """Add ``schema``'s rules to a converter under ``name``; returns the converter and the rule name."""
     conv = converter or SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
     try:
         resolved = conv.resolve_refs(schema if isinstance(schema, dict) else {}, "input")
         return conv, conv.visit(resolved, name)
     except (AssertionError, ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
-        raise SchemaError("schema", f"cannot be turned into a grammar: {e or type(e).__name__}") from None
+        raise SchemaError(where, f"cannot be turned into a grammar: {e or type(e).__name__}") from None
 
 
-def schema_grammar(schema: Any) -> str:
-    """The GBNF (root rule ``root``) for output matching ``schema``."""
-    check_schema(schema)
-    conv, _ = schema_rules(schema, "")
-    return conv.format_grammar()
+def schema_grammar(schema: Any, where: str = "schema") -> str:
+    """The GBNF (root rule ``root``) for output matching ``schema``, found at ``where`` in the request."""
+    check_schema(schema, where)
+    conv, _ = schema_rules(schema, "", where=where)
+    grammar: str = conv.format_grammar()
+    return grammar
 
 
 def json_object_grammar() -> str:
     """Any JSON object (``response_format: json_object``)."""
     conv, _ = schema_rules({"type": "object"}, "")
-    return conv.format_grammar()
+    grammar: str = conv.format_grammar()
+    return grammar
 
 
 def verify_grammar(vocab: Any, grammar: str, param: str) -> None:
@@ -170,9 +172,6 @@ def response_grammar(fmt: Any, vocab: Any) -> str | None:
     if fmt.type == "json_object":
         return json_object_grammar()
     schema = fmt.json_schema.schema_
-    try:
-        grammar = json_object_grammar() if schema is True or schema == {} else schema_grammar(schema)
-    except SchemaError as e:
-        raise InvalidRequest(f"response_format.json_schema.{e}", param="response_format") from None
+    grammar = json_object_grammar() if schema is True or schema == {} else schema_grammar(schema, "response_format.json_schema.schema")
     verify_grammar(vocab, grammar, "response_format")
     return grammar

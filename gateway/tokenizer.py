@@ -11,6 +11,8 @@ import jinja2
 import llama_cpp
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from gateway.errors import InvalidRequest
+
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -20,8 +22,11 @@ DEFAULT_CHAT_TEMPLATE = (
 """ChatML, used when the GGUF file carries no ``tokenizer.chat_template``."""
 
 
-class TemplateError(ValueError):
-    """The chat template could not render these messages."""
+class TemplateError(InvalidRequest):
+    """The chat template could not render these messages (its ``raise_exception``, or a Jinja error): a 400 naming ``messages``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="messages")
 
 
 class Tokenizer:

@@ -93,13 +93,11 @@ def tool_grammar(req: ChatCompletionRequest, vocab: Any) -> str | None:
                 "required": ["name", "arguments"],
             }
             calls.append(conv.visit(wrapper, f"call-{i}"))
-        except SchemaError as e:
-            raise InvalidRequest(str(e), param="tools") from None
         except (AssertionError, ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
-            raise InvalidRequest(f"tools.{i}.function.parameters: cannot be turned into a grammar: {e}", param="tools") from None
+            raise SchemaError(f"tools.{i}.function.parameters", f"cannot be turned into a grammar: {e}") from None
     block = conv._add_rule("tool-call-block", f'"{OPEN}\\n" ( {" | ".join(calls)} ) "\\n{CLOSE}"')
     conv._add_rule("root", f'{block} ( "\\n" {block} )*' if req.parallel_tool_calls else block)
-    grammar = conv.format_grammar()
+    grammar: str = conv.format_grammar()
     verify_grammar(vocab, grammar, "tools")
     return grammar
 

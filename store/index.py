@@ -133,7 +133,7 @@ class RedisIndex:
         """Whether each key is indexed, in one round trip."""
         if not keys:
             return []
-        scores = self._call(lambda: self.r.zmscore(self.lru_key, [k.hex() for k in keys]))  # type: ignore[no-untyped-call]
+        scores = self._call(lambda: self.r.zmscore(self.lru_key, [k.hex() for k in keys]))
         return [s is not None for s in scores]
 
     def deepest(self, keys: Sequence[bytes]) -> int:

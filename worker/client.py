@@ -66,7 +66,7 @@ def events(conn: redis.Redis, job_id: str, *, timeout_s: float = 600.0, block_ms
 
     Raises `TimeoutError` when nothing arrives for ``timeout_s`` seconds.
     """
-    key, last = stream_key(job_id), "0"
+    key, last = stream_key(job_id), b"0"
     deadline = time.monotonic() + timeout_s
     while True:
         batch = conn.xread({key: last}, count=256, block=block_ms)
@@ -91,7 +91,7 @@ async def aevents(conn: redis.asyncio.Redis, job_id: str, *, block_ms: int = 100
     and yields ``None``, so the caller's deadline and checks still hold meanwhile; a
     `redis.retry.Retry` would retry out of the caller's sight.
     """
-    key, last = stream_key(job_id), "0"
+    key, last = stream_key(job_id), b"0"
     waits, failures = backoff(cap_s=READ_BACKOFF_CAP_S), 0
     while True:
         try:

@@ -121,7 +121,9 @@ class Engine(PrefixFinder):
         self.publisher = Publisher(store, settings.publish_queue, self.labels) if store and settings.publish else None
         self.eval_rate = EvalRate()
         self.leases = (
-            Leases(store.index.r, name, settings.lease_s, settings.lease_wait_min_s) if self.publisher and settings.coalesce else None
+            Leases(store.index.r, name, settings.lease_s, settings.lease_wait_min_s)
+            if store is not None and self.publisher and settings.coalesce
+            else None
         )
 
     def identity(self) -> dict[str, str]:
@@ -238,7 +240,7 @@ class Engine(PrefixFinder):
         out, want_lp = outs[0], spec.sampling.logprobs is not None
         return JobResult(
             text=out.text,
-            finish_reason=out.finish,  # type: ignore[arg-type]
+            finish_reason=out.finish,
             tokens=out.tokens,
             usage=Usage(
                 prompt_tokens=n,
@@ -250,10 +252,10 @@ class Engine(PrefixFinder):
             ),
             timings=timings,
             worker=self.name,
-            store_status=plan.store_status,  # type: ignore[arg-type]
+            store_status=plan.store_status,
             logprobs=out.logprobs if want_lp else None,
             extra_choices=[
-                ChoiceResult(index=o.index, text=o.text, finish_reason=o.finish, tokens=o.tokens, logprobs=o.logprobs if want_lp else None)  # type: ignore[arg-type]
+                ChoiceResult(index=o.index, text=o.text, finish_reason=o.finish, tokens=o.tokens, logprobs=o.logprobs if want_lp else None)
                 for o in outs[1:]
             ],
             prompt_logprobs=scored,

@@ -101,20 +101,20 @@ def run_job(spec: dict) -> dict:
             raise _Cancelled
         result = engine.run(parsed, stream.send)
     except _Cancelled:
-        metrics.JOBS.labels(**labels, outcome="cancelled").inc()
+        metrics.JOBS.labels(**labels, outcome=metrics.JobOutcome.CANCELLED).inc()
         return {"finish_reason": "cancelled"}
     except (JobRejected, ValidationError) as e:
         job.retries_left = 0
         reason = f"rejected: {e}" if isinstance(e, JobRejected) else f"rejected: bad job: {e.errors()[0]['msg']}"
         stream.send(ErrorEvent(error=reason, retrying=False))
-        metrics.JOBS.labels(**labels, outcome="rejected").inc()
+        metrics.JOBS.labels(**labels, outcome=metrics.JobOutcome.REJECTED).inc()
         log.warning("job.rejected", extra={"job": job.id, "reason": reason})
         raise JobRejected(reason) from None
     except Exception as e:
         engine.forget_context()
         retrying = bool(job.retries_left)
         stream.send(ErrorEvent(error=f"{type(e).__name__}: {e}", retrying=retrying))
-        metrics.JOBS.labels(**labels, outcome="error").inc()
+        metrics.JOBS.labels(**labels, outcome=metrics.JobOutcome.ERROR).inc()
         log.exception("job.failed", extra={"job": job.id, "retrying": retrying})
         raise
     stream.send(DoneEvent(result=result))
@@ -122,7 +122,7 @@ def run_job(spec: dict) -> dict:
     engine.settle(
         lambda: jobs_waiting(job.connection, [worker_queue(engine.name), engine.settings.queue]) or pool_busy(job.connection, engine.name)
     )
-    metrics.JOBS.labels(**labels, outcome=result.finish_reason).inc()
+    metrics.JOBS.labels(**labels, outcome=metrics.JobOutcome(result.finish_reason)).inc()
     log.info(
         "job.done",
         extra={

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import redis
 
@@ -64,6 +65,17 @@ for i = 1, #KEYS do
 end
 return n
 """
+
+
+class LeaseOutcome(StrEnum):
+    """How a wait for other workers' leases ended: the ``outcome`` label of ``kvpool_worker_lease_waits_total``."""
+
+    RELEASED = "released"
+    """Every lease is gone: the holder published (or gave up); look the prompt up again."""
+    TIMEOUT = "timeout"
+    """Waited as long as evaluating the tokens would take: evaluate them."""
+    ERROR = "error"
+    """Redis failed: evaluate at once."""
 
 
 @dataclass
@@ -135,18 +147,18 @@ class Leases:
             except redis.RedisError as e:
                 log.warning("lease.release_failed", extra={"reason": str(e), "leases": len(claim.keys)})
 
-    def wait(self, keys: Sequence[bytes], max_wait_s: float) -> str:
-        """Wait until none of ``keys`` is leased any more; returns ``released``, ``timeout`` or ``error``."""
+    def wait(self, keys: Sequence[bytes], max_wait_s: float) -> LeaseOutcome:
+        """Wait until none of ``keys`` is leased any more, or until ``max_wait_s`` have passed, or Redis fails."""
         names = [lease_key(k) for k in keys]
         deadline = time.monotonic() + max_wait_s
         while True:
             try:
                 if not self.conn.exists(*names):
-                    return "released"
+                    return LeaseOutcome.RELEASED
             except redis.RedisError:
-                return "error"
+                return LeaseOutcome.ERROR
             if time.monotonic() >= deadline:
-                return "timeout"
+                return LeaseOutcome.TIMEOUT
             time.sleep(POLL_S)
 
     def close(self) -> None:

@@ -1,5 +1,7 @@
 """Prometheus metrics of a worker (prefix ``kvpool_worker_``). Labels carry the model and KV layout."""
 
+from enum import StrEnum
+
 from prometheus_client import Counter, Gauge, Histogram, Info
 
 _L = ["model", "layout"]
@@ -17,6 +19,20 @@ RESTORE_BYTES = Counter("kvpool_worker_restore_bytes_total", "Bytes of state loa
 PUBLISH_SECONDS = Histogram("kvpool_worker_publish_seconds", "Cutting and publishing new chunks (in the background).", _L, buckets=_SECONDS)
 PUBLISH_BYTES = Counter("kvpool_worker_publish_bytes_total", "Payload bytes published to the store.", _L)
 PUBLISH_ERRORS = Counter("kvpool_worker_publish_errors_total", "Publish tasks that failed or were dropped.", _L + ["reason"])
+
+
+class JobOutcome(StrEnum):
+    """How a job ended: the ``outcome`` label of ``kvpool_worker_jobs_total`` (an answered job's is its finish reason)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"
+    """Never to be run: a bad or foreign job spec (`worker.errors.JobRejected`)."""
+    ERROR = "error"
+    """Failed while running; RQ retries it while attempts are left."""
+
+
 JOBS = Counter("kvpool_worker_jobs_total", "Jobs by outcome.", _L + ["outcome"])
 TOKENS_PER_SECOND = Histogram(
     "kvpool_worker_generation_tokens_per_second", "Generation speed per job.", _L, buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500)

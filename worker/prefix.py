@@ -30,8 +30,9 @@ from store.tails import Hit
 from worker import metrics
 from worker.kvchunks import cut_state, head_cells, join_state
 from worker.kvstate import StateFormatError
-from worker.leases import Claim, EvalRate, Leases, leased_by_others
+from worker.leases import Claim, EvalRate, LeaseOutcome, Leases, leased_by_others
 from worker.llama_state import ContextCache, StateReadError, StateRestoreError, read_seq_state, restore_seq_state
+from worker.protocol import StoreStatus
 
 log = logging.getLogger("kvpool.worker")
 
@@ -43,7 +44,7 @@ class Plan:
     store_depth: int = 0
     store_tokens: int = 0
     """Leading prompt tokens the store holds, to the token (full chunks and a tail)."""
-    store_status: str = "ok"
+    store_status: StoreStatus = "ok"
     published: bool = False
     claim: Claim | None = None
     """Leases on the chunks this job evaluates, until its publish is over."""
@@ -115,7 +116,7 @@ class PrefixFinder:
         metrics.LEASE_WAIT_SECONDS.labels(**self.labels).observe(waited)
         log.info("lease.waited", extra={"chunks": n, "outcome": outcome, "seconds": round(waited, 3)})
         timings = plan.timings
-        if outcome == "released":
+        if outcome == LeaseOutcome.RELEASED:
             plan = self._prepare(ns, tokens, keys)
         plan.timings = {**timings, **plan.timings, "lease_wait": waited}
         try:

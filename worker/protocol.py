@@ -132,24 +132,30 @@ class Timings(BaseModel):
     total_s: float = 0.0
 
 
+FinishReason = Literal["stop", "length", "cancelled"]
+"""Why a choice ended: a stop (sequence, end of generation, grammar), max_tokens, or the job was cancelled."""
+StoreStatus = Literal["ok", "unavailable", "disabled"]
+"""Whether the worker could use the store for this job (``unavailable``: it evaluated cold, and says so)."""
+
+
 class ChoiceResult(BaseModel):
     """A choice after the first (the first is `JobResult`'s own text, tokens and finish reason)."""
 
     index: int
     text: str
-    finish_reason: Literal["stop", "length", "cancelled"]
+    finish_reason: FinishReason
     tokens: list[int]
     logprobs: list[float] | None = None
 
 
 class JobResult(BaseModel):
     text: str
-    finish_reason: Literal["stop", "length", "cancelled"]
+    finish_reason: FinishReason
     tokens: list[int]
     usage: Usage
     timings: Timings
     worker: str
-    store_status: Literal["ok", "unavailable", "disabled"] = "ok"
+    store_status: StoreStatus = "ok"
     logprobs: list[float] | None = None
     extra_choices: list[ChoiceResult] = Field(default_factory=list, description="Choices 1..n-1 when n > 1.")
     prompt_logprobs: list[TokenEvent] | None = Field(None, description="Per prompt token (the first has no logprob), when asked for.")

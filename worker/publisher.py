@@ -24,14 +24,16 @@ from worker.kvstate import Buffer, StateFormatError
 
 log = logging.getLogger("kvpool.worker.publish")
 
-_STOP = object()
+_Task = tuple[Namespace, list[int], Buffer, Callable[[], None] | None]
+"""What to publish: the namespace, the tokens, the state holding their cells, and what to run when done."""
 
 
 class Publisher:
     def __init__(self, store: Store, max_pending: int, labels: dict[str, str]) -> None:
         self.store = store
         self.labels = labels
-        self._tasks: queue.Queue[object] = queue.Queue(maxsize=max_pending)
+        self._tasks: queue.Queue[_Task | None] = queue.Queue(maxsize=max_pending)
+        """Tasks in order; ``None`` stops the thread."""
         self._thread = threading.Thread(target=self._run, name="kvpool-publisher", daemon=True)
         self._thread.start()
 
@@ -66,7 +68,7 @@ class Publisher:
 
     def close(self, timeout_s: float = 30.0) -> None:
         self.wait_idle(timeout_s)
-        self._tasks.put(_STOP)
+        self._tasks.put(None)
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
@@ -74,9 +76,9 @@ class Publisher:
             task = self._tasks.get()
             on_done = None
             try:
-                if task is _STOP:
+                if task is None:
                     return
-                ns, tokens, state, on_done = task  # type: ignore[misc]
+                ns, tokens, state, on_done = task
                 self._publish(ns, tokens, state)
             except (StoreError, StateFormatError) as e:
                 metrics.PUBLISH_ERRORS.labels(**self.labels, reason=type(e).__name__).inc()

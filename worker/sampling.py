@@ -21,7 +21,7 @@ import llama_cpp
 import numpy as np
 
 from worker.llama_state import is_end_of_generation, last_logits
-from worker.protocol import JobSpec, SamplingParams, TokenEvent
+from worker.protocol import FinishReason, JobSpec, SamplingParams, TokenEvent
 from worker.textstream import TextStream
 
 Emit = Callable[[TokenEvent], bool]
@@ -38,7 +38,7 @@ class Output:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     text: str = ""
-    finish: str = "length"
+    finish: FinishReason = "length"
     t_first: float | None = None
 
 

@@ -80,7 +80,7 @@ def resolve_tenant(settings: GatewaySettings, tenant_id: str | None) -> Tenant:
     return Tenant(tenant_id, tenants.salt(tenant_id))
 
 
-def _require_workers(conn: redis.Redis) -> int:
+def _require_workers(conn: redis.Redis[bytes]) -> int:
     try:
         n = len(adverts(conn))
     except redis.RedisError as e:
@@ -91,6 +91,8 @@ def _require_workers(conn: redis.Redis) -> int:
 
 
 class _Interrupted(Exception):
+    """SIGTERM, raised in the main thread to unwind the run as Ctrl-C does; control flow, never an API error."""
+
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.status = 128 + signum
@@ -156,7 +158,7 @@ def run_batch(
 
 def _run(
     settings: GatewaySettings,
-    conn: redis.Redis,
+    conn: redis.Redis[bytes],
     todo: list[Parsed | Rejected],
     out: ResultFile,
     tally: Tally,

@@ -15,16 +15,15 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-from gateway.errors import InvalidRequest, NotFound, Overloaded
+from gateway.errors import InvalidRequest, NotFound, map_exceptions
 from gateway.tenants import Tenant
 from store.backends import BlobBackend
-from store.errors import BlobMissing, StoreUnavailable
+from store.errors import BlobMissing
 
 FILES_PREFIX = "files/"
 UPLOAD_PURPOSES = ("batch",)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,11 @@ def check_jsonl(data: bytes, max_lines: int) -> int:
 
 
 class Files:
-    """Opens the backend on first use, so a gateway starts (and answers everything else) while the store is away."""
+    """Opens the backend on first use, so a gateway starts (and answers everything else) while the store is away.
+
+    A store that cannot be reached is the API's 503 (`gateway.errors.map_exceptions`), for
+    the HTTP routes and the batch service alike.
+    """
 
     def __init__(self, open_backend: Callable[[], BlobBackend]) -> None:
         self._open = open_backend
@@ -77,17 +80,9 @@ class Files:
     @property
     def backend(self) -> BlobBackend:
         if self._backend is None:
-            self._backend = self._call(self._open)
+            with map_exceptions():
+                self._backend = self._open()
         return self._backend
-
-    @staticmethod
-    def _call(fn: Callable[[], T]) -> T:
-        try:
-            return fn()
-        except StoreUnavailable as e:
-            raise Overloaded(
-                f"the store is unreachable ({e.endpoint}): {e.reason}", code="store_unavailable", headers={"Retry-After": "5"}
-            ) from e
 
     @staticmethod
     def _name(tenant: Tenant, file_id: str) -> str:
@@ -96,24 +91,24 @@ class Files:
     def create(self, tenant: Tenant, filename: str, purpose: str, data: bytes) -> FileObject:
         meta = FileObject(f"file-{uuid.uuid4().hex[:24]}", len(data), int(time.time()), filename, purpose)
         name = self._name(tenant, meta.id)
-        backend = self.backend
-        self._call(lambda: backend.put(name, data))
-        self._call(lambda: backend.put(name + ".json", json.dumps(asdict(meta)).encode()))
+        with map_exceptions():
+            self.backend.put(name, data)
+            self.backend.put(name + ".json", json.dumps(asdict(meta)).encode())
         return meta
 
     def get(self, tenant: Tenant, file_id: str) -> FileObject:
         if not file_id.startswith("file-") or "/" in file_id:
             raise NotFound(f"no file {file_id!r}", param="file_id", code="file_not_found")
         try:
-            backend = self.backend
-            return FileObject(**json.loads(self._call(lambda: backend.get(self._name(tenant, file_id) + ".json"))))
+            with map_exceptions():
+                return FileObject(**json.loads(self.backend.get(self._name(tenant, file_id) + ".json")))
         except BlobMissing:
             raise NotFound(f"no file {file_id!r}", param="file_id", code="file_not_found") from None
 
     def content(self, tenant: Tenant, file_id: str) -> bytes:
         self.get(tenant, file_id)
         try:
-            backend = self.backend
-            return self._call(lambda: backend.get(self._name(tenant, file_id)))
+            with map_exceptions():
+                return self.backend.get(self._name(tenant, file_id))
         except BlobMissing:
             raise NotFound(f"the content of file {file_id!r} is gone", param="file_id", code="file_not_found") from None

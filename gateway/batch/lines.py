@@ -10,9 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
-from gateway.errors import APIError, InvalidRequest
+from gateway.errors import APIError
 
 log = logging.getLogger("kvpool.batch")
 
@@ -42,8 +40,9 @@ class Parsed:
 class Rejected:
     """A line that can never become a job: answered with an error result and reported by its line number.
 
-    With ``api_error`` the result carries an HTTP-style response (as the API would have
-    answered the body); without, an ``error`` object with ``code`` and ``message``.
+    With ``api_error`` the result carries an HTTP-style response whose body is the one the
+    API answers the same body with, word for word (its custom_id says which line it was);
+    without, an ``error`` object with ``code`` and a ``message`` naming the line.
     """
 
     line: int
@@ -58,11 +57,8 @@ class Rejected:
 
     def record(self) -> dict[str, Any]:
         if self.api_error is not None:
-            body = self.api_error.body()
-            body["error"]["message"] = self.report()
-            return result_record(
-                self.result_id, self.custom_id, response={"status_code": self.api_error.status, "request_id": None, "body": body}
-            )
+            response = {"status_code": self.api_error.status, "request_id": None, "body": self.api_error.body()}
+            return result_record(self.result_id, self.custom_id, response=response)
         return result_record(self.result_id, self.custom_id, error={"code": self.code, "message": self.report()})
 
 
@@ -135,14 +131,6 @@ def parse_all(lines: Iterable[Line]) -> list[Parsed | Rejected]:
 
 def result_id_of(entry: Parsed | Rejected) -> str:
     return request_result_id(entry.custom_id) if isinstance(entry, Parsed) else entry.result_id
-
-
-def validation_error(e: ValidationError) -> InvalidRequest:
-    err = e.errors()[0] if e.errors() else {}
-    loc = [str(p) for p in err.get("loc", [])]
-    where = ".".join(loc)
-    msg = err.get("msg", "invalid request")
-    return InvalidRequest(f"body.{where}: {msg}" if where else f"body: {msg}", param=loc[0] if loc else None)
 
 
 def result_record(

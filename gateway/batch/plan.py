@@ -6,10 +6,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from pydantic import ValidationError
-
-from gateway.batch.lines import Parsed, Rejected, request_result_id, validation_error
-from gateway.errors import APIError
+from gateway.batch.lines import Parsed, Rejected, request_result_id
+from gateway.errors import APIError, internal_error, map_exceptions
 from gateway.prepare import Prepared, Preparer
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.tenants import Tenant
@@ -37,20 +35,22 @@ class Request:
 
 
 def prepare(parsed: Parsed, preparer: Preparer, tenant: Tenant) -> Request | Rejected:
-    """Validate the body and build its job, as the API would; failures keep the API's status and error body."""
+    """Validate the body and build its job, as the API would; failures keep the API's status and error body.
+
+    The body is validated inside `map_exceptions`, as FastAPI validates a request's, so a
+    bad body gets the message and param the HTTP API answers it with.
+    """
     try:
-        if parsed.chat:
-            chat = ChatCompletionRequest.model_validate(parsed.body)
-            return Request(parsed.line.number, parsed.custom_id, preparer.chat(chat, tenant), chat.logprobs)
-        comp = CompletionRequest.model_validate(parsed.body)
-        return Request(parsed.line.number, parsed.custom_id, preparer.completion(comp, tenant), comp.logprobs is not None)
-    except ValidationError as e:
-        err: APIError = validation_error(e)
+        with map_exceptions():
+            req = (ChatCompletionRequest if parsed.chat else CompletionRequest).model_validate(parsed.body)
+        if isinstance(req, ChatCompletionRequest):
+            return Request(parsed.line.number, parsed.custom_id, preparer.chat(req, tenant), req.logprobs)
+        return Request(parsed.line.number, parsed.custom_id, preparer.completion(req, tenant), req.logprobs is not None)
     except APIError as e:
         err = e
-    except Exception as e:
+    except Exception as e:  # a bug, not the body: a 500 for this line, the others go on
         log.exception("batch.prepare_failed", extra={"line": parsed.line.number})
-        err = APIError(f"internal error: {type(e).__name__}", code="internal_error")
+        err = internal_error(e)
     return Rejected(parsed.line.number, request_result_id(parsed.custom_id), parsed.custom_id, err.code or "invalid_body", err.message, err)
 
 

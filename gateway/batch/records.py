@@ -15,12 +15,14 @@ lines go to an output file (status 200) and an error file (the rest), and the ba
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import threading
 import time
 import uuid
-from typing import Any
+from enum import StrEnum
+from typing import Any, cast
 
 import redis
 from redis.exceptions import LockNotOwnedError
@@ -40,7 +42,23 @@ ACTIVE_BATCHES_KEY = "kvpool:batches-active"
 log = logging.getLogger("kvpool.batches")
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
-FINAL = ("completed", "failed", "cancelled", "expired")
+
+
+class BatchStatus(StrEnum):
+    """A batch's ``status``, as OpenAI's Batch object names them (each but ``finalizing`` is one kvpool sets)."""
+
+    VALIDATING = "validating"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+FINAL = frozenset({BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.CANCELLED, BatchStatus.EXPIRED})
+"""The statuses a batch never leaves."""
 
 
 def _tenant_key(tenant: Tenant) -> str:
@@ -50,7 +68,7 @@ def _tenant_key(tenant: Tenant) -> str:
 class Batches:
     """Batch records: created by the API, updated by the runner, read back per tenant."""
 
-    def __init__(self, conn: redis.Redis) -> None:
+    def __init__(self, conn: redis.Redis[bytes]) -> None:
         self.conn = conn
 
     def create(self, tenant: Tenant, input_file_id: str, endpoint: str, window: str, metadata: dict[str, str] | None) -> dict[str, Any]:
@@ -66,7 +84,7 @@ class Batches:
             "errors": None,
             "input_file_id": input_file_id,
             "completion_window": window,
-            "status": "validating",
+            "status": BatchStatus.VALIDATING,
             "output_file_id": None,
             "error_file_id": None,
             "created_at": now,
@@ -103,9 +121,9 @@ class Batches:
     def update(self, batch_id: str, **fields: Any) -> dict[str, Any]:
         """Change fields of a record atomically (a cancel may race with the runner)."""
 
-        def change(pipe: redis.client.Pipeline) -> dict[str, Any]:
-            rec = json.loads(pipe.get(BATCH_PREFIX + batch_id))
-            if rec["status"] == "cancelling" and fields.get("status") == "in_progress":
+        def change(pipe: redis.client.Pipeline[bytes]) -> dict[str, Any]:
+            rec: dict[str, Any] = json.loads(cast(bytes, pipe.get(BATCH_PREFIX + batch_id)))  # WATCHed: a read, not a queued command
+            if rec["status"] == BatchStatus.CANCELLING and fields.get("status") == BatchStatus.IN_PROGRESS:
                 fields.pop("status")
             rec.update(fields)
             pipe.multi()
@@ -114,15 +132,16 @@ class Batches:
                 pipe.zrem(ACTIVE_BATCHES_KEY, batch_id)
             return rec
 
-        return self.conn.transaction(change, BATCH_PREFIX + batch_id, value_from_callable=True)
+        rec: dict[str, Any] = self.conn.transaction(change, BATCH_PREFIX + batch_id, value_from_callable=True)
+        return rec
 
     def cancel(self, tenant: Tenant, batch_id: str) -> dict[str, Any]:
         rec = self.get(tenant, batch_id)
-        if rec["status"] in FINAL or rec["status"] == "cancelling":
+        if rec["status"] in FINAL or rec["status"] == BatchStatus.CANCELLING:
             return rec
-        return self.update(batch_id, status="cancelling", cancelling_at=int(time.time()))
+        return self.update(batch_id, status=BatchStatus.CANCELLING, cancelling_at=int(time.time()))
 
-    def list(self, tenant: Tenant, limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool]:
+    def list(self, tenant: Tenant, limit: int, after: str | None) -> tuple[builtins.list[dict[str, Any]], bool]:
         """The tenant's batches, newest first, after the one named; and whether there are more."""
         key = _tenant_key(tenant)
         start = 0
@@ -135,7 +154,7 @@ class Batches:
         recs = [r for r in (self.load(i) for i in ids) if r is not None]
         return recs[:limit], len(recs) > limit
 
-    def active(self) -> list[str]:
+    def active(self) -> builtins.list[str]:
         return [i.decode() for i in self.conn.zrange(ACTIVE_BATCHES_KEY, 0, -1)]
 
 
@@ -147,7 +166,7 @@ def public(rec: dict[str, Any]) -> dict[str, Any]:
 class RedisResults:
     """The runner's output (`gateway.batch.results.ResultFile`'s interface), as a Redis list that outlives a gateway."""
 
-    def __init__(self, conn: redis.Redis, batch_id: str) -> None:
+    def __init__(self, conn: redis.Redis[bytes], batch_id: str) -> None:
         self.conn = conn
         self.key = BATCH_PREFIX + batch_id + ":results"
         self.done: set[str] = set()
@@ -182,7 +201,7 @@ class RunnerLease:
     extends nor deletes the other's lease. It sets `lost` and stops renewing instead.
     """
 
-    def __init__(self, conn: redis.Redis, batch_id: str, owner: str, lease_s: float) -> None:
+    def __init__(self, conn: redis.Redis[bytes], batch_id: str, owner: str, lease_s: float) -> None:
         self.key, self.owner, self.lease_s = BATCH_PREFIX + batch_id + ":runner", owner, lease_s
         self.lock = Lock(conn, self.key, timeout=lease_s, blocking=False, thread_local=False)
         self.lost = threading.Event()

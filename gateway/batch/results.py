@@ -8,13 +8,22 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from worker.protocol import JobResult
 
 if TYPE_CHECKING:
     from gateway.batch.plan import Request
 log = logging.getLogger("kvpool.batch")
+
+
+class Results(Protocol):
+    """Where the runner writes result lines: `ResultFile` for ``kvpool batch``, `gateway.batch.records.RedisResults` for the Batch API."""
+
+    done: set[str]
+    """The ids of the requests answered so far."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
 
 
 class ResultFile:

@@ -15,7 +15,7 @@ from rq.job import Job, JobStatus
 
 from gateway.batch.lines import result_record
 from gateway.batch.plan import Group, Request
-from gateway.batch.results import ResultFile, Tally
+from gateway.batch.results import Results, Tally
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError, Overloaded, WorkerFailed
 from gateway.responses import chat_body, completion_body
@@ -40,7 +40,11 @@ POLL_BLOCK_MS = 500
 
 
 class BatchAborted(Exception):
-    """The batch cannot go on (no worker, no progress); what is answered stays answered, a rerun resumes."""
+    """The batch cannot go on (no worker, no progress); what is answered stays answered, a rerun resumes.
+
+    Control flow, not an API error: no request failed, so nothing is answered with it. The
+    command prints it and exits 1; the batch service leaves the batch active to try later.
+    """
 
 
 @dataclass
@@ -65,11 +69,11 @@ class Runner:
 
     def __init__(
         self,
-        conn: redis.Redis,
+        conn: redis.Redis[bytes],
         settings: GatewaySettings,
         model_name: str,
         groups: list[Group],
-        out: ResultFile,
+        out: Results,
         tally: Tally,
         *,
         window: int,
@@ -298,7 +302,7 @@ class Runner:
             self._failed(flight, WorkerFailed(f"the job ended ({status or 'gone from the queue'}) without an answer", code="worker_error"))
 
 
-def _return_value(conn: redis.Redis, job_id: str) -> JobResult | None:
+def _return_value(conn: redis.Redis[bytes], job_id: str) -> JobResult | None:
     job = Job.fetch_many([job_id], connection=conn)[0]
     value = job.return_value() if job is not None else None
     try:

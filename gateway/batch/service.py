@@ -17,10 +17,10 @@ import redis
 from gateway.batch.files import Files
 from gateway.batch.lines import Line, Parsed, Rejected, parse_all, request_result_id, result_id_of
 from gateway.batch.plan import Request, plan, prepare
-from gateway.batch.records import ACTIVE_BATCHES_KEY, Batches, RedisResults, RunnerLease
+from gateway.batch.records import ACTIVE_BATCHES_KEY, Batches, BatchStatus, RedisResults, RunnerLease
 from gateway.batch.results import Tally
 from gateway.batch.runner import BatchAborted, Runner
-from gateway.errors import NotFound
+from gateway.errors import NotFound, Overloaded, to_api_error
 from gateway.prepare import Preparer
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant
@@ -32,7 +32,11 @@ POLL_S = 1.0
 
 
 class Cancelled(Exception):
-    """The batch was cancelled while it ran."""
+    """The batch was cancelled while it ran: raised from the runner's progress callback to unwind it.
+
+    Control flow inside this module, not an API error: `BatchService.run` catches it and
+    finishes the batch as ``cancelled``.
+    """
 
 
 def _check_endpoint(entry: Parsed | Rejected, endpoint: str) -> Parsed | Rejected:
@@ -53,7 +57,7 @@ def _lines(data: bytes) -> list[Line]:
 
 
 class BatchService:
-    def __init__(self, settings: GatewaySettings, preparer: Preparer, files: Files, conn: redis.Redis) -> None:
+    def __init__(self, settings: GatewaySettings, preparer: Preparer, files: Files, conn: redis.Redis[bytes]) -> None:
         self.settings = settings
         self.preparer = preparer
         self.files = files
@@ -74,8 +78,9 @@ class BatchService:
         while not self._stop.wait(POLL_S):
             try:
                 self.run_pending()
-            except redis.RedisError as e:
-                log.warning("batch.redis_unavailable", extra={"reason": str(e)})
+            except (redis.RedisError, Overloaded) as e:  # Redis or the store away: tried again on the next poll
+                err = to_api_error(e)
+                log.warning("batch.unavailable", extra={"code": err.code, "reason": f"{type(e).__name__}: {e}"})
             except Exception:
                 log.exception("batch.loop_failed")
 
@@ -100,33 +105,36 @@ class BatchService:
             return
         tenant = Tenant(rec["_tenant"], rec["_salt"])
         out = RedisResults(self.conn, batch_id).load()
-        if rec["status"] == "cancelling":
-            self._finish(rec, tenant, out, rec["request_counts"]["total"], "cancelled")
+        if rec["status"] == BatchStatus.CANCELLING:
+            self._finish(rec, tenant, out, rec["request_counts"]["total"], BatchStatus.CANCELLED)
             return
         try:
             entries = [_check_endpoint(e, rec["endpoint"]) for e in parse_all(_lines(self.files.content(tenant, rec["input_file_id"])))]
         except NotFound as e:
             self.batches.update(
                 batch_id,
-                status="failed",
+                status=BatchStatus.FAILED,
                 failed_at=int(time.time()),
                 errors={"object": "list", "data": [{"code": "file_not_found", "message": e.message}]},
             )
             return
         total = len(entries)
         self.batches.update(
-            batch_id, status="in_progress", in_progress_at=rec["in_progress_at"] or int(time.time()), request_counts=out.counts(total)
+            batch_id,
+            status=BatchStatus.IN_PROGRESS,
+            in_progress_at=rec["in_progress_at"] or int(time.time()),
+            request_counts=out.counts(total),
         )
         log.info("batch.running", extra={"batch": batch_id, "lines": total, "already_done": len(out.done), "gateway": self.owner})
         try:
             self._answer(batch_id, tenant, [e for e in entries if result_id_of(e) not in out.done], out, total, lost)
         except Cancelled:
-            self._finish(self.batches.load(batch_id) or rec, tenant, out, total, "cancelled")
+            self._finish(self.batches.load(batch_id) or rec, tenant, out, total, BatchStatus.CANCELLED)
             return
         except BatchAborted as e:
             log.warning("batch.paused", extra={"batch": batch_id, "reason": str(e)})  # stays active: tried again later
             return
-        self._finish(self.batches.load(batch_id) or rec, tenant, out, total, "completed")
+        self._finish(self.batches.load(batch_id) or rec, tenant, out, total, BatchStatus.COMPLETED)
 
     def _answer(
         self, batch_id: str, tenant: Tenant, todo: list[Parsed | Rejected], out: RedisResults, total: int, lost: threading.Event | None
@@ -148,7 +156,7 @@ class BatchService:
                 return
             last[0] = time.monotonic()
             rec = self.batches.update(batch_id, request_counts=out.counts(total))
-            if rec["status"] == "cancelling":
+            if rec["status"] == BatchStatus.CANCELLING:
                 raise Cancelled
 
         window = max(1, self.settings.max_waiting_jobs // 2)
@@ -158,7 +166,7 @@ class BatchService:
             self.preparer.model_name,
             plan(requests, self.settings.chunk_size),
             out,
-            tally,  # type: ignore[arg-type]
+            tally,
             window=window,
             worker_grace_s=self.settings.batch_worker_grace_s,
             on_change=changed,
@@ -169,7 +177,7 @@ class BatchService:
             runner.cancel_all()
             raise
 
-    def _finish(self, rec: dict[str, Any], tenant: Tenant, out: RedisResults, total: int, status: str) -> None:
+    def _finish(self, rec: dict[str, Any], tenant: Tenant, out: RedisResults, total: int, status: BatchStatus) -> None:
         """Write the output and error files, then mark the batch done."""
         ok: list[dict[str, Any]] = []
         bad: list[dict[str, Any]] = []

@@ -54,9 +54,10 @@ SECTIONS = {"settings": settings_table, "metrics": metrics_table}
 def render(readme: str) -> str:
     for name, make in SECTIONS.items():
         pattern = re.compile(rf"(<!-- {name}:begin -->\n).*?(<!-- {name}:end -->)", re.S)
-        if not pattern.search(readme):
+        m = pattern.search(readme)
+        if m is None:
             raise ValueError(f"README has no <!-- {name}:begin --> ... <!-- {name}:end --> section")
-        readme = pattern.sub(lambda m, make=make: m.group(1) + make() + "\n" + m.group(2), readme)
+        readme = readme[: m.start()] + m.group(1) + make() + "\n" + m.group(2) + readme[m.end() :]
     return readme
 
 

@@ -234,14 +234,16 @@ def image_env(deploy: Path) -> dict[str, str]:
     """ENV of the Dockerfile's final stage."""
     instructions = parse_dockerfile((deploy / "Dockerfile").read_text())
     last = max(i.stage for i in instructions)
-    out = {}
+    out: dict[str, str] = {}
     for ins in instructions:
         if ins.stage == last and ins.cmd == "ENV":
             words = shlex.split(ins.args)
             if len(words) >= 2 and "=" not in words[0]:
                 out[words[0]] = " ".join(words[1:])
             else:
-                out.update(w.split("=", 1) for w in words)
+                for w in words:
+                    key, _, value = w.partition("=")
+                    out[key] = value
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -22,6 +23,32 @@ from rq.job import Job
 from tests.conftest import prompt_text
 from tests.gateway.conftest import MODEL, openai_client
 from worker.advert import adverts
+
+CHAT = "/v1/chat/completions"
+SAME_IN_A_BATCH = [
+    ("content is a number", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 3}]}),
+    ("a role that does not exist", CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}),
+    ("lone surrogate", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "a \udfff b"}]}),
+    ("no model", CHAT, {"messages": [{"role": "user", "content": "x"}]}),
+    ("a role the template refuses", CHAT, {"model": MODEL, "messages": [{"role": "system", "content": "x"}]}),
+    (
+        "a schema the grammar cannot enforce",
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 0}}},
+        },
+    ),
+    ("temperature 7", "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 7}),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}),
+    ("prompt plus max_tokens over the context", "/v1/completions", {"model": MODEL, "prompt": "hi there", "max_tokens": 5000}),
+]
+"""Bad bodies and what refuses each: pydantic, the chat template, the schema check, the model check, the context check."""
+NO_SYSTEM_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('this template takes no system message') }}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
 
 LONG = {"logit_bias": {"2": -100}, "max_tokens": 1900, "temperature": 0}
 
@@ -101,6 +128,43 @@ def test_bad_chat_requests(one_worker) -> None:
     assert_openai_error(httpx.post(url, content=json.dumps(parts), headers={"content-type": "application/json"}), 400, "surrogate")
     long = {"model": MODEL, "messages": [{"role": "user", "content": prompt_text(1, 3000)}]}
     assert_openai_error(httpx.post(url, json=long), 400, "2048")
+
+
+def test_a_bad_body_gets_the_same_error_over_http_and_as_a_batch_result(start_gateway, tmp_path) -> None:
+    template = tmp_path / "no-system.jinja"
+    template.write_text(NO_SYSTEM_TEMPLATE)
+    gw = start_gateway(KVPOOL_CHAT_TEMPLATE_FILE=str(template))  # no worker: every line is refused before a job exists
+    over_http = {}
+    for name, url, body in SAME_IN_A_BATCH:
+        r = httpx.post(gw.url + url, content=json.dumps(body), headers={"content-type": "application/json"})
+        over_http[name] = (r.status_code, assert_openai_error(r, r.status_code))
+    assert {status for status, _ in over_http.values()} == {400, 404}
+    assert over_http["content is a number"][1]["message"].startswith("messages.0.content")
+    assert over_http["content is a number"][1]["param"] == "messages"
+    assert over_http["a role the template refuses"][1]["message"] == "this template takes no system message"
+    assert over_http["a schema the grammar cannot enforce"][1]["param"] == "response_format"
+
+    client = openai_client(gw)
+    in_batch = {}
+    for endpoint in (CHAT, "/v1/completions"):
+        lines = [{"custom_id": name, "method": "POST", "url": url, "body": body} for name, url, body in SAME_IN_A_BATCH if url == endpoint]
+        f = client.files.create(file=("bad.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())), purpose="batch")
+        batch = client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")
+        deadline = time.monotonic() + 60
+        while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+            assert time.monotonic() < deadline, f"batch still {batch.status}"
+            time.sleep(0.1)
+        assert batch.status == "completed" and batch.output_file_id is None
+        for line in client.files.content(batch.error_file_id).text.splitlines():
+            result = json.loads(line)
+            in_batch[result["custom_id"]] = (result["response"]["status_code"], result["response"]["body"]["error"])
+    assert in_batch == over_http
+
+
+def test_a_bad_query_parameter_is_named_as_the_parameter(start_gateway) -> None:
+    gw = start_gateway()
+    err = assert_openai_error(httpx.get(gw.url + "/v1/batches", params={"limit": 0}), 400, "limit: ")
+    assert err["param"] == "limit" and not err["message"].startswith("query")
 
 
 def test_oversized_body_is_413(start_worker, start_gateway) -> None:

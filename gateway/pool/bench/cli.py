@@ -8,11 +8,14 @@ import signal
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from gateway.pool.bench.workloads import WORKLOAD_KEYS
+
+if TYPE_CHECKING:
+    from gateway.pool.bench.plan import ModelRun, Profile
 
 DEFAULT_MODEL_DIR = Path(".kvpool/models")
 
@@ -135,12 +138,12 @@ def bench_command(
 
 def _runs(
     quick: bool, sizes: tuple[str, ...], model_path: Path | None, models_dir: Path, keys: tuple[str, ...], o: dict[str, int | None]
-) -> list[object]:
+) -> list[ModelRun]:
     """One run per model: the generated sizes asked for, or the user's own model, each with its profile tuned by the options."""
     from gateway.pool.bench.plan import PROFILES, ModelRun
     from worker.models.synth import ensure_model
 
-    def tuned(name: str) -> object:
+    def tuned(name: str) -> Profile:
         prof = PROFILES[name]
         sz = replace(prof.sizes, shared_questions=o["repeats"]) if o["repeats"] else prof.sizes
         return replace(
@@ -154,17 +157,17 @@ def _runs(
         )
 
     if model_path is not None:
-        return [ModelRun(model_path.stem, model_path, tuned("custom"))]  # type: ignore[arg-type]
-    runs: list[object] = []
+        return [ModelRun(model_path.stem, model_path, tuned("custom"))]
+    runs: list[ModelRun] = []
     for size in ("tiny",) if quick else (sizes or ("bench", "tiny")):
         if not (models_dir / f"kvpool-{size}-s0.gguf").exists():
             click.echo(f"generating the {size} model into {models_dir} (once) ...")
-        runs.append(ModelRun(size, ensure_model(size, models_dir), tuned("quick" if quick else size)))  # type: ignore[arg-type]
+        runs.append(ModelRun(size, ensure_model(size, models_dir), tuned("quick" if quick else size)))
     return runs
 
 
 def _run_with_sigterm(
-    runs: list[object], out: Path, store: str, s3_endpoint_url: str | None, seed: int, command: str, max_foreign_load: float | None
+    runs: list[ModelRun], out: Path, store: str, s3_endpoint_url: str | None, seed: int, command: str, max_foreign_load: float | None
 ) -> dict[str, object]:
     """Run the benchmark; a SIGTERM stops it like Ctrl-C, so its services are stopped too."""
     from gateway.pool.bench.runner import run_bench
@@ -179,7 +182,7 @@ def _run_with_sigterm(
             out=out,
             store=store,
             s3_endpoint_url=s3_endpoint_url,
-            seed=seed,  # type: ignore[arg-type]
+            seed=seed,
             command=command,
             echo=lambda s: click.echo(s),
             max_foreign_load=max_foreign_load,

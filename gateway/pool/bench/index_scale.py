@@ -59,7 +59,7 @@ return i1 - i0
 )
 
 
-def fill(conn: redis.Redis, n: int, prefix: str = "kvpool:v1:") -> None:
+def fill(conn: redis.Redis[bytes], n: int, prefix: str = "kvpool:v1:") -> None:
     """Index ``n`` synthetic chunks, as the store would have, ``BATCH`` per server-side call."""
     script = conn.register_script(_FILL)
     now = int((time.time() - 1_577_836_800) * 100)
@@ -67,7 +67,7 @@ def fill(conn: redis.Redis, n: int, prefix: str = "kvpool:v1:") -> None:
         script(args=[prefix, i0 + 1, min(n, i0 + BATCH) + 1, now, NAMESPACE.hex()])
 
 
-def _route(conn: redis.Redis) -> None:
+def _route(conn: redis.Redis[bytes]) -> None:
     ads = adverts(conn)
     pipe = conn.pipeline(transaction=False)
     for a in ads:
@@ -76,7 +76,7 @@ def _route(conn: redis.Redis) -> None:
     pipe.execute()
 
 
-def operations(conn: redis.Redis, index: RedisIndex) -> dict[str, Callable[[], object]]:
+def operations(conn: redis.Redis[bytes], index: RedisIndex) -> dict[str, Callable[[], object]]:
     counter = iter(range(10**9))
     return {
         "route": lambda: _route(conn),
@@ -98,17 +98,17 @@ def _time(fn: Callable[[], object], repeats: int) -> dict[str, float]:
     return {"p50_ms": statistics.median(samples), "p99_ms": samples[int(len(samples) * 0.99) - 1]}
 
 
-def server_usec(conn: redis.Redis, fn: Callable[[], object], repeats: int) -> float:
+def server_usec(conn: redis.Redis[bytes], fn: Callable[[], object], repeats: int) -> float:
     """Server-side microseconds one call of ``fn`` costs Redis (commands and scripts), from ``INFO commandstats``."""
     conn.config_resetstat()
     for _ in range(repeats):
         fn()
     stats = conn.info("commandstats")
-    total = sum(v["usec"] for k, v in stats.items() if k not in ("cmdstat_config", "cmdstat_info"))
+    total: float = sum(v["usec"] for k, v in stats.items() if k not in ("cmdstat_config", "cmdstat_info"))
     return total / repeats
 
 
-def measure(conn: redis.Redis, entries: int, repeats: int = 500) -> dict[str, object]:
+def measure(conn: redis.Redis[bytes], entries: int, repeats: int = 500) -> dict[str, object]:
     index = RedisIndex(conn)
     for i, k in enumerate(CHAIN):
         index.add(k, NAMESPACE, i, 5_800_000)

@@ -10,6 +10,7 @@ import contextlib
 import io
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import llama_cpp
@@ -29,7 +30,7 @@ class InProcessModel:
         self._evaluated: int | None = None
         plain_eval = self.llm.eval
 
-        def counting_eval(tokens: list[int]) -> None:
+        def counting_eval(tokens: Sequence[int]) -> None:
             if self._evaluated is None:
                 self._evaluated = len(tokens)
             plain_eval(tokens)
@@ -57,7 +58,11 @@ class InProcessModel:
                     max_tokens=max_tokens,
                     logit_bias={self.eos: -100.0},
                     stopping_criteria=llama_cpp.StoppingCriteriaList([first_token]),
-                    **SAMPLING,
+                    temperature=SAMPLING["temperature"],
+                    top_k=int(SAMPLING["top_k"]),
+                    top_p=SAMPLING["top_p"],
+                    min_p=SAMPLING["min_p"],
+                    repeat_penalty=SAMPLING["repeat_penalty"],
                 )
         finally:
             llm.set_cache(None)

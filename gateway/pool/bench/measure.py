@@ -102,7 +102,7 @@ def bytes_per_token(blob_sizes: Sequence[int], chunk_size: int, kv: ContextCache
     }
 
 
-def hashing_and_lookup(conn: redis.Redis, ns: Namespace, n_tokens: int = 32768, reps: int = 50, seed: int = 0) -> dict[str, object]:
+def hashing_and_lookup(conn: redis.Redis[bytes], ns: Namespace, n_tokens: int = 32768, reps: int = 50, seed: int = 0) -> dict[str, object]:
     """Chain hashing of an ``n_tokens`` prompt (a list of ints, as jobs carry) and one index lookup of its keys.
 
     The keys are indexed first (under a scratch prefix of the same Redis) so that the
@@ -175,6 +175,7 @@ def machine() -> dict[str, object]:
                 break
     except OSError:
         pass
+    affinity: int | None
     try:
         affinity = len(os.sched_getaffinity(0))
     except AttributeError:

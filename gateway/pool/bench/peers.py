@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
@@ -71,7 +72,8 @@ class Reply:
 def _stream(client: httpx.Client, url: str, body: str) -> Reply:
     """One streamed chat request, timed from the client."""
     t0 = time.perf_counter()
-    ttft, text, usage = None, "", {}
+    ttft, text = None, ""
+    usage: dict[str, Any] = {}
     with client.stream("POST", url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"}) as r:
         r.raise_for_status()
         for line in r.iter_lines():

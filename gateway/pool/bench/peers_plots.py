@@ -26,7 +26,8 @@ def plot(doc: dict[str, Any], out: Path) -> list[str]:
     systems = list(dict.fromkeys(r["system"] for r in runs))
     cases = list(dict.fromkeys((r["workload"], r["concurrency"]) for r in runs))
     walls = {(r["workload"], r["concurrency"], r["system"]): r["wall_s"] for r in runs}
-    colors = dict(zip(systems, plt.get_cmap("tab10").colors))
+    cmap = plt.get_cmap("tab10")
+    colors = {system: cmap(i % cmap.N) for i, system in enumerate(systems)}
     fig, (ax, dx) = plt.subplots(2, 1, figsize=(12, 9), gridspec_kw={"height_ratios": [2, 1]})
     width = 0.8 / max(1, len(systems))
     for j, system in enumerate(systems):

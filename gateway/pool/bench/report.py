@@ -136,7 +136,7 @@ def _miss_cost(run: Run) -> dict[str, Any] | None:
         return None
 
     def outside(s: dict[str, Any]) -> float:
-        return s["ttft_s"] - (s["prompt_eval_s"] or 0.0)
+        return float(s["ttft_s"] - (s["prompt_eval_s"] or 0.0))
 
     base = median([b["ttft_s"] for _, b in pairs])
     extra = median([outside(a) - outside(b) for a, b in pairs])

@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from gateway.pool.bench import measure
 from gateway.pool.bench.inprocess import InProcessModel, LlamaCppSystem
@@ -88,7 +89,7 @@ class ModelSession:
         }
         self.running: dict[str, list[WorkerProcess]] = {}
         self.client = PoolClient(services.conn, prep.run.path, prof.chunk_size, prep.model.eos, [prep.src.bos, int(prep.src.pool[0])])
-        mk = {"model_label": label, "clock": clock}
+        mk: dict[str, Any] = {"model_label": label, "clock": clock}
         names = {g: [w.name for w in ws] for g, ws in self.groups.items()}
         scratch = services.work_dir
         self.systems: dict[str, System] = {
@@ -352,7 +353,7 @@ def run_bench(
     t0 = time.monotonic()
     work_dir = Path(tempfile.mkdtemp(prefix="kvpool-bench-"))
     services = Services(work_dir, store, s3_endpoint_url)
-    doc: dict[str, object] = {
+    doc: dict[str, Any] = {
         "version": 1,
         "command": command,
         "started_at": started.isoformat(timespec="seconds"),
@@ -382,7 +383,7 @@ def run_bench(
         echo(f"Expected duration: about {clock(est)} (min:s, or h:min:s), {n_steps} steps. Ctrl-C stops everything cleanly.")
         progress = Progress(echo, n_steps, est)
         for p in preps:
-            doc["runs"].append(ModelSession(p, services, progress, t0, max_foreign_load).play())  # type: ignore[union-attr]
+            doc["runs"].append(ModelSession(p, services, progress, t0, max_foreign_load).play())
         ok = True
     finally:
         for p in preps:
@@ -391,5 +392,5 @@ def run_bench(
         if not ok:
             print(f"kvpool bench: stopped; services are down; logs kept in {work_dir}", file=sys.stderr)
     doc["duration_s"] = time.monotonic() - t0
-    doc["machine"]["loadavg_at_end"] = list(os.getloadavg())  # type: ignore[index]
+    doc["machine"]["loadavg_at_end"] = list(os.getloadavg())
     return doc

@@ -15,8 +15,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import redis
+from redis import Redis
 
 from gateway.pool.procs import S3_ACCESS_KEY, S3_SECRET_KEY, RedisServer, S3Server, WorkerProcess, free_port
 from store.settings import StoreSettings
@@ -65,13 +66,14 @@ class Services:
         return self
 
     @property
-    def conn(self) -> redis.Redis:
+    def conn(self) -> Redis[bytes]:
         assert self.redis is not None
-        return redis.Redis.from_url(self.redis.url)
+        return Redis.from_url(self.redis.url)
 
     def store_settings(self) -> StoreSettings:
         """The store settings the workers get, for probes run from this process."""
-        return StoreSettings(**{k.removeprefix("KVPOOL_").lower(): v for k, v in self.store_env.items()})
+        env: dict[str, Any] = {k.removeprefix("KVPOOL_").lower(): v for k, v in self.store_env.items()}
+        return StoreSettings(**env)
 
     def describe_store(self) -> str:
         if self.store_kind == "fs":

@@ -104,7 +104,7 @@ def _loadavg() -> float:
 class PoolClient:
     """Builds jobs as the gateway does (tokens, chain keys, tenant) and reads their streams."""
 
-    def __init__(self, conn: redis.Redis, model_path: Path, chunk_size: int, eos: int, flush_tokens: list[int]) -> None:
+    def __init__(self, conn: redis.Redis[bytes], model_path: Path, chunk_size: int, eos: int, flush_tokens: list[int]) -> None:
         self.conn = conn
         self.chunk_size = chunk_size
         self.settings = WorkerSettings(chunk_size=chunk_size)

@@ -21,6 +21,7 @@ import pytest
 import redis
 
 from gateway.batch.records import BATCH_PREFIX
+from gateway.pool.procs import free_port
 from tests.conftest import prompt_text
 from tests.gateway.conftest import MODEL, openai_client
 
@@ -109,6 +110,14 @@ def test_files_that_are_not_batch_jsonl_are_refused_by_name(start_worker, start_
     gw = start_gateway()
     r = httpx.post(f"{gw.url}/v1/files", files={"file": ("x.jsonl", data)}, data={"purpose": purpose}, timeout=30)
     assert r.status_code == 400 and needle in r.json()["error"]["message"]
+
+
+def test_files_while_the_store_is_away_are_503_with_retry_after(start_gateway) -> None:
+    gw = start_gateway(KVPOOL_S3_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    r = httpx.post(f"{gw.url}/v1/files", files={"file": ("x.jsonl", _lines(1))}, data={"purpose": "batch"}, timeout=60)
+    assert r.status_code == 503 and r.headers["retry-after"], r.text
+    assert r.json()["error"]["code"] == "store_unavailable" and "store is unreachable" in r.json()["error"]["message"]
+    assert httpx.get(f"{gw.url}/v1/files/file-{'0' * 24}", timeout=60).json()["error"]["code"] == "store_unavailable"
 
 
 def test_bad_batch_requests_get_400_or_404_never_500(start_worker, start_gateway) -> None:

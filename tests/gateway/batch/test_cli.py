@@ -210,7 +210,9 @@ def test_bad_lines_are_reported_by_number_and_the_rest_succeed(start_worker, poo
     assert errors["line 7"]["custom_id"] is None
     assert errors["line 12"]["error"]["code"] == "missing_field"
     statuses = {x["custom_id"]: x["response"] for x in results if x["response"] and x["response"]["status_code"] != 200}
-    assert statuses["e"]["status_code"] == 400 and statuses["e"]["body"]["error"]["message"].startswith("line 6: body.temperature")
+    assert statuses["e"]["status_code"] == 400 and statuses["e"]["body"]["error"]["param"] == "temperature"
+    assert statuses["e"]["body"]["error"]["message"].startswith("temperature: "), "as the HTTP API words it (test_errors.py)"
+    assert re.search(r"^rejected line 6: temperature: ", r.stderr, re.MULTILINE)
     assert statuses["f"]["status_code"] == 404 and statuses["f"]["body"]["error"]["code"] == "model_not_found"
 
     again = run_batch(pool_env, inp, out)
