@@ -4,23 +4,21 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import llama_cpp
-import numpy as np
 import pytest
 import redis
 
-from gateway.pool.procs import S3_ACCESS_KEY, S3_SECRET_KEY, RedisServer, S3Server, WorkerProcess
+from gateway.pool.procs import RedisServer, S3Server, WorkerProcess
 from store.backends import BlobBackend
 from store.backends.fs import FsBackend
 from store.backends.s3 import S3Backend
-from store.chain import Namespace
 from store.index import RedisIndex
 from store.settings import StoreSettings
 from store.store import Store
-from worker.llama_state import evaluate_prompt
+from tests.helpers import POOL_CHUNK, env_for_pool, s3_settings
 
 
 @pytest.fixture(autouse=True)
@@ -53,20 +51,6 @@ def s3_server() -> Iterator[S3Server]:
 @pytest.fixture
 def s3_bucket() -> str:
     return f"kvpool-test-{uuid.uuid4().hex[:12]}"
-
-
-def s3_settings(endpoint_url: str, bucket: str, redis_url: str, **overrides: object) -> StoreSettings:
-    return StoreSettings(
-        store_url=f"s3://{bucket}/pool",
-        s3_endpoint_url=endpoint_url,
-        s3_access_key_id=S3_ACCESS_KEY,
-        s3_secret_access_key=S3_SECRET_KEY,
-        redis_url=redis_url,
-        connect_timeout_s=1.0,
-        read_timeout_s=2.0,
-        retries=1,
-        **overrides,
-    )
 
 
 @pytest.fixture
@@ -112,28 +96,6 @@ def smollm2() -> Path:
     return ensure_packaged(DEFAULT_MODEL, Path(__file__).resolve().parent.parent / ".kvpool" / "models", PoolSettings().model_cache)
 
 
-POOL_CHUNK = 32
-
-
-def env_for_pool(redis_url: str, s: StoreSettings, model: Path, chunk_size: int) -> dict[str, str]:
-    """KVPOOL_* settings for worker and gateway processes: this Redis, this store, this model; short timeouts."""
-    return {
-        "KVPOOL_REDIS_URL": redis_url,
-        "KVPOOL_STORE_URL": s.store_url,
-        "KVPOOL_S3_ENDPOINT_URL": s.s3_endpoint_url or "",
-        "KVPOOL_S3_ACCESS_KEY_ID": s.s3_access_key_id or "",
-        "KVPOOL_S3_SECRET_ACCESS_KEY": s.s3_secret_access_key or "",
-        "KVPOOL_MODEL": str(model),
-        "KVPOOL_CHUNK_SIZE": str(chunk_size),
-        "KVPOOL_N_CTX": "2048",
-        "KVPOOL_N_THREADS": "1",
-        "KVPOOL_HEARTBEAT_S": "0.5",
-        "KVPOOL_CONNECT_TIMEOUT_S": "1",
-        "KVPOOL_READ_TIMEOUT_S": "2",
-        "KVPOOL_RETRIES": "1",
-    }
-
-
 @pytest.fixture
 def pool_env(redis_url: str, store_settings_s3: StoreSettings, tiny_model: Path) -> dict[str, str]:
     """KVPOOL_* settings for worker processes: the session's Redis, S3 over HTTP and the tiny model."""
@@ -159,44 +121,3 @@ def start_worker(pool_env: dict[str, str], redis_url: str, tmp_path: Path) -> It
 def cold_llm(tiny_model: Path) -> llama_cpp.Llama:
     """The tiny model in this process, with the workers' KV layout, for cold reference runs."""
     return llama_cpp.Llama(str(tiny_model), n_ctx=2048, n_threads=1, verbose=False, flash_attn=False)
-
-
-def cold_greedy(llm: llama_cpp.Llama, tokens: list[int], n: int) -> list[int]:
-    """Greedy continuation of ``tokens`` evaluated from scratch, stopping at end-of-generation like the worker."""
-    llm.reset()
-    evaluate_prompt(llm, tokens, 0)  # in the worker's batches, so the last one never holds a lone token
-    out: list[int] = []
-    for tok in llm.generate(tokens, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, reset=True):
-        if llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok) or len(out) >= n:
-            break
-        out.append(tok)
-    llm.reset()
-    return out
-
-
-def prompt_text(seed: int, words: int) -> str:
-    rng = np.random.default_rng(seed)
-    vocab = "the a of and to in is was for on that with as by at from this be or an are it his her they we you".split()
-    vocab += "river mountain signal engine memory garden window silver letter market winter harbor lantern".split()
-    return " ".join(rng.choice(vocab, words))
-
-
-def wait_settled(redis_url: str, timeout_s: float = 30.0) -> None:
-    """Poll until every live worker is idle with nothing left to publish: what it evaluated is in the store."""
-    import time
-
-    from worker.advert import adverts
-
-    conn = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ads = adverts(conn)
-        if ads and all(not a.busy and a.pending == 0 for a in ads):
-            return
-        assert time.monotonic() < deadline, f"workers still busy or publishing: {[(a.worker, a.busy, a.pending) for a in ads]}"
-        time.sleep(0.05)
-
-
-def stored_depth(store: Store, ns: Namespace, keys: Sequence[bytes]) -> int:
-    """How many chunks from the start of the chain ``keys`` the store holds (`Store.find` without a tail)."""
-    return store.find(ns, [], keys).depth

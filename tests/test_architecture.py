@@ -194,3 +194,13 @@ def test_functions_stay_small() -> None:
                 if n > MAX_FUNCTION_LINES:
                     long[f"{name}.{node.name}"] = n
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_tests_import_shared_helpers_from_tests_helpers_never_from_a_conftest() -> None:
+    """Conftests hold fixtures, which pytest hands out by name; anything imported lives in tests/helpers.py."""
+    bad = [
+        str(p.relative_to(ROOT))
+        for p in sorted((ROOT / "tests").rglob("*.py"))
+        if "conftest import" in p.read_text() and p.name != "test_architecture.py"
+    ]
+    assert not bad, f"modules importing from a conftest: {bad}"

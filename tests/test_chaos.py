@@ -49,7 +49,7 @@ from gateway.tenants import Tenants
 from store.blob import BlobName
 from store.index import RedisIndex
 from store.maintenance import UNKNOWN_KERNELS, bytes_by_kernels
-from tests.conftest import env_for_pool, s3_settings
+from tests.helpers import env_for_pool, s3_settings
 from worker.llama_state import evaluate_prompt, is_end_of_generation
 
 CLIENTS = 4

@@ -5,12 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import openai
 import pytest
 
 from gateway.pool.procs import GatewayProcess, free_port
-
-MODEL = "kvpool-tiny-s0"
+from tests.helpers import TOOLS_TEMPLATE
 
 
 @pytest.fixture
@@ -27,21 +25,11 @@ def start_gateway(pool_env: dict[str, str], tmp_path: Path) -> Iterator[Callable
         g.stop()
 
 
-def openai_client(gateway: GatewayProcess, api_key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
-
-
-SMOL = "SmolLM2-135M-Instruct.Q4_1"
-
-
 @pytest.fixture
 def smol_pool(start_worker, start_gateway, smollm2: Path) -> GatewayProcess:
     """One worker and a gateway serving the real model, SmolLM2-135M-Instruct (answers that depend on text)."""
     start_worker("smol-1", KVPOOL_MODEL=str(smollm2))
     return start_gateway(KVPOOL_MODEL=str(smollm2))
-
-
-TOOLS_TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "templates" / "chatml-tools.jinja"
 
 
 @pytest.fixture

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from gateway.tokenizer import Tokenizer
-from tests.conftest import prompt_text
-from tests.gateway.conftest import SMOL, openai_client
+from tests.helpers import SMOL, openai_client, prompt_text
 
 CONTEXT = "Question: What is the capital of France?\nAnswer:"
 CONTINUATIONS = [" Paris", " London", " a big cheese"]

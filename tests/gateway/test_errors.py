@@ -20,8 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rq.job import Job
 
-from tests.conftest import prompt_text
-from tests.gateway.conftest import MODEL, openai_client
+from tests.helpers import MODEL, openai_client, prompt_text
 from worker.advert import adverts
 
 CHAT = "/v1/chat/completions"

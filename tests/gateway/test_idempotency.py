@@ -20,8 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rq.job import Job
 
 from gateway.pool.procs import free_port
-from tests.conftest import prompt_text
-from tests.gateway.conftest import MODEL, openai_client
+from tests.helpers import MODEL, openai_client, prompt_text
 from worker.protocol import stream_key
 
 KEY = "Idempotency-Key"

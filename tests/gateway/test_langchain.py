@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.gateway.conftest import SMOL
+from tests.helpers import SMOL
 
 langchain_openai = pytest.importorskip("langchain_openai")
 

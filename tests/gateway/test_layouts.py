@@ -15,9 +15,7 @@ import httpx
 import redis
 
 from store.index import RedisIndex
-from tests.conftest import POOL_CHUNK, prompt_text, wait_settled
-from tests.gateway.conftest import MODEL, openai_client
-from tests.worker.conftest import PoolClient
+from tests.helpers import MODEL, POOL_CHUNK, PoolClient, openai_client, prompt_text, wait_settled
 from worker.namespace import namespace_for
 from worker.settings import WorkerSettings
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import llama_cpp
 import pytest
 
-from tests.conftest import POOL_CHUNK, cold_greedy, prompt_text, wait_settled
-from tests.gateway.conftest import MODEL, openai_client
+from tests.helpers import MODEL, POOL_CHUNK, cold_greedy, openai_client, prompt_text, wait_settled
 
 
 @pytest.fixture

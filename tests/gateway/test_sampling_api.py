@@ -10,8 +10,8 @@ import llama_cpp
 import pytest
 
 from gateway.tokenizer import Tokenizer
-from tests.gateway.conftest import SMOL, openai_client
 from tests.gateway.test_errors import assert_openai_error
+from tests.helpers import SMOL, openai_client
 from worker.llama_state import evaluate_prompt, is_end_of_generation
 
 PROMPT = "Here is a list of fruits: apple, banana, cherry, apple, banana, cherry, apple, banana,"

@@ -9,7 +9,7 @@ import httpx
 import redis
 from rq import Queue
 
-from tests.gateway.conftest import MODEL
+from tests.helpers import MODEL
 from worker.settings import WorkerSettings
 
 

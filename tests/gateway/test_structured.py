@@ -8,9 +8,8 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.conftest import prompt_text
-from tests.gateway.conftest import SMOL, openai_client
 from tests.gateway.test_errors import assert_openai_error
+from tests.helpers import SMOL, openai_client, prompt_text
 
 CITY = {
     "type": "object",

@@ -9,8 +9,7 @@ import httpx
 import llama_cpp
 import pytest
 
-from tests.conftest import cold_greedy, prompt_text, wait_settled
-from tests.gateway.conftest import MODEL, openai_client
+from tests.helpers import MODEL, cold_greedy, openai_client, prompt_text, wait_settled
 
 KEYS = {"key-a1": "team-a", "key-a2": "team-a", "key-b": "team-b"}
 

@@ -16,7 +16,7 @@ from store.chain import CacheFormat, Namespace
 from store.cli import parse_size
 from store.index import RedisIndex
 from store.store import Store
-from tests.conftest import stored_depth
+from tests.helpers import stored_depth
 
 NS = Namespace("fp", CacheFormat(), chunk_size=4)
 

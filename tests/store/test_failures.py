@@ -12,7 +12,7 @@ from store.chain import CacheFormat, Namespace
 from store.errors import StoreUnavailable
 from store.index import RedisIndex
 from store.store import Store
-from tests.conftest import s3_settings, stored_depth
+from tests.helpers import s3_settings, stored_depth
 
 NS = Namespace("fp", CacheFormat(), chunk_size=4)
 TOKENS = np.arange(32)

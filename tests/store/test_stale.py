@@ -25,7 +25,7 @@ from store.chain import CacheFormat, Namespace
 from store.errors import StoreUnavailable
 from store.index import RedisIndex
 from store.store import Store
-from tests.conftest import s3_settings, stored_depth
+from tests.helpers import s3_settings, stored_depth
 
 NS = Namespace("fp", CacheFormat.of("f16", "f16", False), chunk_size=8)
 

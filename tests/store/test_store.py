@@ -11,7 +11,7 @@ from store.chain import CacheFormat, Namespace
 from store.index import lru_score
 from store.maintenance import QUARANTINE_PREFIX
 from store.store import Store
-from tests.conftest import stored_depth
+from tests.helpers import stored_depth
 
 NS = Namespace("fp", CacheFormat.of("f16", "f16", False), chunk_size=8)
 

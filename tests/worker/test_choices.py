@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gateway.tokenizer import Tokenizer
-from tests.conftest import prompt_text
+from tests.helpers import prompt_text
 from worker.engine import Engine
 from worker.llama_state import last_logits
 from worker.protocol import JobResult, SamplingParams, TokenEvent, job_spec

@@ -24,7 +24,7 @@ import pytest
 from gateway.pool.procs import S3Server
 from store.chain import tail_key
 from store.store import Store
-from tests.conftest import s3_settings
+from tests.helpers import s3_settings
 from worker.engine import Engine
 from worker.llama_state import batch_sizes, last_logits
 from worker.protocol import SamplingParams, TokenEvent, job_spec

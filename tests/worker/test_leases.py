@@ -14,8 +14,7 @@ import time
 import numpy as np
 import redis
 
-from tests.conftest import POOL_CHUNK
-from tests.worker.conftest import PoolClient
+from tests.helpers import POOL_CHUNK, PoolClient
 from worker.leases import EvalRate, Leases, leased_by_others
 from worker.namespace import namespace_for
 from worker.protocol import lease_key

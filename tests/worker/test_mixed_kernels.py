@@ -23,8 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.pool.procs import free_port
 from store.store import Store
-from tests.conftest import POOL_CHUNK, cold_greedy, prompt_text, wait_settled
-from tests.worker.conftest import PoolClient
+from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, prompt_text, wait_settled
 from worker.advert import adverts
 
 pytestmark = pytest.mark.fp_path  # answers are compared bit for bit

@@ -14,8 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.pool.procs import S3Server
 from store.blob import BlobName
 from store.index import RedisIndex
-from tests.conftest import POOL_CHUNK, cold_greedy, prompt_text, s3_settings
-from tests.worker.conftest import PoolClient
+from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, prompt_text, s3_settings
 from worker.client import cancel
 from worker.namespace import namespace_for
 

@@ -14,8 +14,7 @@ import redis
 from rq import Queue
 
 from gateway.pool.procs import RedisServer, WorkerProcess
-from tests.conftest import prompt_text
-from tests.worker.conftest import PoolClient
+from tests.helpers import PoolClient, prompt_text
 from worker.advert import adverts
 from worker.protocol import stream_key, worker_queue
 

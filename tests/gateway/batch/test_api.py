@@ -22,8 +22,7 @@ import redis
 
 from gateway.batch.records import BATCH_PREFIX
 from gateway.pool.procs import free_port
-from tests.conftest import prompt_text
-from tests.gateway.conftest import MODEL, openai_client
+from tests.helpers import MODEL, openai_client, prompt_text
 
 KEYS = json.dumps({"key-a": "team-a", "key-b": "team-b"})
 

@@ -22,8 +22,7 @@ from gateway.prepare import Prepared, Preparer
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenants
-from tests.conftest import POOL_CHUNK, prompt_text
-from tests.gateway.conftest import MODEL
+from tests.helpers import MODEL, POOL_CHUNK, prompt_text
 from worker.protocol import JobSpec
 
 ROOT = Path(__file__).resolve().parents[2]

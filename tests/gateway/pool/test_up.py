@@ -16,7 +16,7 @@ import httpx
 import openai
 
 from gateway.pool.procs import free_port
-from tests.conftest import s3_settings
+from tests.helpers import s3_settings
 from tests.terminal import Terminal
 
 KVPOOL = str(Path(sys.executable).parent / "kvpool")

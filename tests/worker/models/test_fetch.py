@@ -12,7 +12,7 @@ import pytest
 
 from gateway.pool.procs import S3Server
 from store.errors import StoreUnavailable
-from tests.conftest import s3_settings
+from tests.helpers import s3_settings
 from worker.models.fetch import ModelChecksumError, fetch_model, resolve_model
 from worker.models.packaged import SMOLLM2, sha256_of
 from worker.settings import PoolSettings

@@ -1,0 +1,173 @@
+"""What tests share besides fixtures: pool settings, prompts, cold reference runs, clients, polling.
+
+Fixtures live in the conftests; a test module imports these from here, never from a conftest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import openai
+import redis
+
+from gateway.pool.procs import S3_ACCESS_KEY, S3_SECRET_KEY, GatewayProcess
+from store.chain import Namespace
+from store.fingerprint import fingerprint_file
+from store.settings import StoreSettings
+from store.store import Store
+from worker.client import events, submit
+from worker.llama_state import evaluate_prompt
+from worker.protocol import DoneEvent, ErrorEvent, JobResult, JobSpec, SamplingParams, StartEvent, TokenEvent, job_spec, worker_queue
+from worker.settings import WorkerSettings
+
+
+def s3_settings(endpoint_url: str, bucket: str, redis_url: str, **overrides: object) -> StoreSettings:
+    return StoreSettings(
+        store_url=f"s3://{bucket}/pool",
+        s3_endpoint_url=endpoint_url,
+        s3_access_key_id=S3_ACCESS_KEY,
+        s3_secret_access_key=S3_SECRET_KEY,
+        redis_url=redis_url,
+        connect_timeout_s=1.0,
+        read_timeout_s=2.0,
+        retries=1,
+        **overrides,
+    )
+
+
+POOL_CHUNK = 32
+
+
+def env_for_pool(redis_url: str, s: StoreSettings, model: Path, chunk_size: int) -> dict[str, str]:
+    """KVPOOL_* settings for worker and gateway processes: this Redis, this store, this model; short timeouts."""
+    return {
+        "KVPOOL_REDIS_URL": redis_url,
+        "KVPOOL_STORE_URL": s.store_url,
+        "KVPOOL_S3_ENDPOINT_URL": s.s3_endpoint_url or "",
+        "KVPOOL_S3_ACCESS_KEY_ID": s.s3_access_key_id or "",
+        "KVPOOL_S3_SECRET_ACCESS_KEY": s.s3_secret_access_key or "",
+        "KVPOOL_MODEL": str(model),
+        "KVPOOL_CHUNK_SIZE": str(chunk_size),
+        "KVPOOL_N_CTX": "2048",
+        "KVPOOL_N_THREADS": "1",
+        "KVPOOL_HEARTBEAT_S": "0.5",
+        "KVPOOL_CONNECT_TIMEOUT_S": "1",
+        "KVPOOL_READ_TIMEOUT_S": "2",
+        "KVPOOL_RETRIES": "1",
+    }
+
+
+def cold_greedy(llm: llama_cpp.Llama, tokens: list[int], n: int) -> list[int]:
+    """Greedy continuation of ``tokens`` evaluated from scratch, stopping at end-of-generation like the worker."""
+    llm.reset()
+    evaluate_prompt(llm, tokens, 0)  # in the worker's batches, so the last one never holds a lone token
+    out: list[int] = []
+    for tok in llm.generate(tokens, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, reset=True):
+        if llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok) or len(out) >= n:
+            break
+        out.append(tok)
+    llm.reset()
+    return out
+
+
+def prompt_text(seed: int, words: int) -> str:
+    rng = np.random.default_rng(seed)
+    vocab = "the a of and to in is was for on that with as by at from this be or an are it his her they we you".split()
+    vocab += "river mountain signal engine memory garden window silver letter market winter harbor lantern".split()
+    return " ".join(rng.choice(vocab, words))
+
+
+def wait_settled(redis_url: str, timeout_s: float = 30.0) -> None:
+    """Poll until every live worker is idle with nothing left to publish: what it evaluated is in the store."""
+    import time
+
+    from worker.advert import adverts
+
+    conn = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ads = adverts(conn)
+        if ads and all(not a.busy and a.pending == 0 for a in ads):
+            return
+        assert time.monotonic() < deadline, f"workers still busy or publishing: {[(a.worker, a.busy, a.pending) for a in ads]}"
+        time.sleep(0.05)
+
+
+def stored_depth(store: Store, ns: Namespace, keys: Sequence[bytes]) -> int:
+    """How many chunks from the start of the chain ``keys`` the store holds (`Store.find` without a tail)."""
+    return store.find(ns, [], keys).depth
+
+
+MODEL = "kvpool-tiny-s0"
+
+
+def openai_client(gateway: GatewayProcess, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+
+SMOL = "SmolLM2-135M-Instruct.Q4_1"
+
+
+TOOLS_TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "templates" / "chatml-tools.jinja"
+
+
+@dataclass
+class Outcome:
+    result: JobResult | None
+    starts: list[StartEvent] = field(default_factory=list)
+    tokens: list[TokenEvent] = field(default_factory=list)
+    error: ErrorEvent | None = None
+
+    @property
+    def streamed_text(self) -> str:
+        return "".join(t.text for t in self.tokens)
+
+
+class PoolClient:
+    """Submits jobs the way the gateway does: tokens, chain keys, tenant salt, sampling."""
+
+    def __init__(self, conn: redis.Redis, model: Path, n_ctx: int = 2048) -> None:
+        self.conn = conn
+        self.settings = WorkerSettings(chunk_size=POOL_CHUNK, n_ctx=n_ctx)
+        self.fingerprint = fingerprint_file(model)
+        self.vocab = llama_cpp.Llama(str(model), vocab_only=True, verbose=False)
+
+    def tokens(self, text: str) -> list[int]:
+        return self.vocab.tokenize(text.encode())
+
+    def spec(self, tokens: list[int], *, tenant: str = "", chain: list[str] | None = None, **sampling: object) -> JobSpec:
+        spec = job_spec(
+            tokens,
+            model=self.fingerprint,
+            chunk_size=POOL_CHUNK,
+            tenant_salt=tenant,
+            sampling=SamplingParams(**{"max_tokens": 24, "temperature": 0.0, **sampling}),
+        )
+        return spec if chain is None else spec.model_copy(update={"chain": chain})
+
+    def submit(self, spec: JobSpec, *, worker: str | None = None, attempts: int = 3) -> str:
+        queue = worker_queue(worker) if worker else self.settings.queue
+        return submit(self.conn, spec, queue=queue, attempts=attempts).id
+
+    def collect(self, job_id: str, timeout_s: float = 120.0) -> Outcome:
+        out = Outcome(result=None)
+        for ev in events(self.conn, job_id, timeout_s=timeout_s):
+            if isinstance(ev, StartEvent):
+                out.starts.append(ev)
+                out.tokens.clear()
+            elif isinstance(ev, TokenEvent):
+                out.tokens.append(ev)
+            elif isinstance(ev, DoneEvent):
+                out.result = ev.result
+            elif isinstance(ev, ErrorEvent):
+                out.error = ev
+        return out
+
+    def run(self, tokens: list[int], *, worker: str | None = None, **kw: object) -> JobResult:
+        out = self.collect(self.submit(self.spec(tokens, **kw), worker=worker))
+        assert out.result is not None, f"job failed: {out.error}"
+        return out.result
