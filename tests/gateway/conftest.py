@@ -41,7 +41,7 @@ def smol_pool(start_worker, start_gateway, smollm2: Path) -> GatewayProcess:
     return start_gateway(KVPOOL_MODEL=str(smollm2))
 
 
-TOOLS_TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "templates" / "chatml-tools.jinja"
+TOOLS_TEMPLATE = Path(__file__).resolve().parents[2] / "gateway" / "templates" / "chatml-tools.jinja"
 
 
 @pytest.fixture
