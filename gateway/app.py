@@ -22,6 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from gateway.answer import answer
+from gateway.anthropic import error_body as anthropic_error_body
+from gateway.anthropic import messages_router
 from gateway.batch.api import batch_router
 from gateway.batch.files import Files
 from gateway.batch.records import Batches
@@ -38,6 +40,9 @@ from store.backends import open_backend
 from store.errors import StoreUnavailable
 
 log = logging.getLogger("kvpool.gateway")
+
+ERROR_SHAPES = {"/v1/messages": anthropic_error_body}
+"""The routes that answer in another API's error shape than OpenAI's (the body limit answers before any route)."""
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -96,9 +101,10 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
     _add_models_route(app, gw, tenant_of)
     _add_health_routes(app, gw, settings)
     app.include_router(tokens_router)
+    app.include_router(messages_router(gw))
     if settings.batch_api:
         app.include_router(batch_router(settings, Files(lambda: open_backend(settings)), Batches(gw.redis), tenant_of))
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, paths={"/v1/files": settings.max_file_bytes})
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, paths={"/v1/files": settings.max_file_bytes}, shapes=ERROR_SHAPES)
     app.add_middleware(CountRequests)
     return app
 

@@ -8,15 +8,20 @@ job) and never sees the 500s that the server-error handler answers outside it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
 from gateway.errors import APIError, PayloadTooLarge
 
+ErrorShape = Callable[[APIError], dict[str, Any]]
+"""An API's own error body (Anthropic's, for its routes); OpenAI's is the default."""
 
-async def send_error(send: Send, e: APIError) -> None:
-    body = json.dumps(e.body()).encode()
+
+async def send_error(send: Send, e: APIError, shape: ErrorShape | None = None) -> None:
+    body = json.dumps(shape(e) if shape else e.body()).encode()
     headers = [(b"content-type", b"application/json")] + [(k.lower().encode(), v.encode()) for k, v in e.headers.items()]
     await send({"type": "http.response.start", "status": e.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
@@ -29,20 +34,26 @@ class BodyLimit:
     client's own, so a disconnect is still seen.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int, paths: dict[str, int] | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, paths: dict[str, int] | None = None, shapes: Mapping[str, ErrorShape] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.paths = paths or {}
         """Other limits for the paths named (file uploads)."""
+        self.shapes = shapes or {}
+        """Error bodies for the paths under each prefix named."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.paths.get(scope.get("path", ""), self.max_bytes)
+        path = scope.get("path", "")
+        limit = self.paths.get(path, self.max_bytes)
+        shape = next((f for prefix, f in self.shapes.items() if path.startswith(prefix)), None)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await send_error(send, PayloadTooLarge(f"request body of {int(declared)} bytes exceeds the limit of {limit}"))
+            await send_error(send, PayloadTooLarge(f"request body of {int(declared)} bytes exceeds the limit of {limit}"), shape)
             return
         parts: list[bytes] = []
         seen = 0
@@ -53,7 +64,7 @@ class BodyLimit:
             parts.append(message.get("body", b""))
             seen += len(parts[-1])
             if seen > limit:
-                await send_error(send, PayloadTooLarge(f"request body exceeds the limit of {limit} bytes"))
+                await send_error(send, PayloadTooLarge(f"request body exceeds the limit of {limit} bytes"), shape)
                 return
             if not message.get("more_body", False):
                 break

@@ -11,8 +11,8 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.structured import response_grammar
 from gateway.tenants import Tenant
-from gateway.tokenizer import Tokenizer
-from gateway.tools import supports_tools, template_messages, template_tools, tool_grammar, uses_tools
+from gateway.tokenizer import TemplateError, Tokenizer
+from gateway.toolformat import Offered, ToolFormat
 from store.fingerprint import fingerprint_file
 from worker.protocol import JobSpec, SamplingParams, job_spec
 
@@ -23,7 +23,7 @@ class Prepared:
     chat: bool
     echo: str | None = None
     """The prompt's text, put before the completion (``echo``)."""
-    tools: tuple[str, ...] | None = None
+    tools: Offered | None = None
     """The functions a chat answer may call: its text is parsed for their calls."""
 
 
@@ -36,6 +36,7 @@ class Preparer:
         self.tokenizer = Tokenizer(model_path, template)
         self.fingerprint = fingerprint_file(model_path)
         self.model_name = settings.model_name or Path(model_path).name.removesuffix(".gguf")
+        self.tool_format = ToolFormat.for_template(self.tokenizer.template_source)
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -70,26 +71,27 @@ class Preparer:
         text = prompt if isinstance(prompt, str) else self.tokenizer.llm.detokenize(tokens).decode("utf-8", "replace")
         return Prepared(prepared.spec, chat=False, echo=text)
 
-    def chat(self, req: ChatCompletionRequest, tenant: Tenant) -> Prepared:
+    def chat_tokens(self, req: ChatCompletionRequest, prefill: str = "") -> list[int]:
+        """The prompt: the messages as the chat template (or, with tools, `ToolFormat`) renders them, then ``prefill``.
+
+        ``prefill``: the start of the answer, which the model continues.
+        """
+        try:
+            text = self.tool_format.render(self.tokenizer, req)
+        except TemplateError as e:
+            raise InvalidRequest(str(e), param="messages") from None
+        return self.tokenizer.tokenize(text + prefill, special=True)
+
+    def chat(self, req: ChatCompletionRequest, tenant: Tenant, *, prefill: str = "") -> Prepared:
         self.check_model(req.model)
-        if uses_tools(req) and not supports_tools(self.tokenizer.template_source):
-            raise InvalidRequest(
-                f"the model '{self.model_name}' has a chat template without tool support (it renders no tools in the <tool_call> format); "
-                "serve it with KVPOOL_CHAT_TEMPLATE_FILE naming a template that does, such as deploy/templates/chatml-tools.jinja",
-                param="tools",
-                code="tools_unsupported",
-            )
-        text = self.tokenizer.render_chat(template_messages(req.messages), template_tools(req))
-        tokens = self.tokenizer.tokenize(text, special=True)
+        tokens = self.chat_tokens(req, prefill)
         stops = list(req.stop or []) + [s for s in self.tokenizer.chat_stops if s not in (req.stop or [])]
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         budget = req.token_budget(min(self.settings.max_tokens_default, max(1, self.settings.n_ctx - len(tokens) - 1)))
         vocab = self.tokenizer.llm._model.vocab
-        grammar = tool_grammar(req, vocab) if req.forced_tools() else response_grammar(req.response_format, vocab)
+        grammar = self.tool_format.grammar(req, vocab) or response_grammar(req.response_format, vocab)
         prepared = self._job(req, tokens, budget, stops, logprobs, tenant, chat=True, grammar=grammar)
-        if not req.tools_offered():
-            return prepared
-        return Prepared(prepared.spec, chat=True, tools=tuple(t.function.name for t in req.tools or []))
+        return Prepared(prepared.spec, chat=True, tools=self.tool_format.offered(req))
 
     def _job(
         self,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gateway.tools import ToolStream, parse_calls
+from gateway.toolformat import Offered
 from worker.protocol import JobResult, TokenEvent
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
@@ -95,17 +95,17 @@ def completion_body(
     }
 
 
-def _message(text: str, finish: str, tools: tuple[str, ...] | None) -> tuple[dict[str, Any], str]:
+def _message(text: str, finish: str, tools: Offered | None) -> tuple[dict[str, Any], str]:
     if not tools:
         return {"role": "assistant", "content": text}, finish
-    content, calls = parse_calls(text, tools)
+    content, calls = tools.parse(text)
     if not calls:
         return {"role": "assistant", "content": content}, finish
     return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
 
 def chat_body(
-    job_id: str, model: str, result: JobResult, tokens: list[TokenEvent], want_logprobs: bool, *, tools: tuple[str, ...] | None = None
+    job_id: str, model: str, result: JobResult, tokens: list[TokenEvent], want_logprobs: bool, *, tools: Offered | None = None
 ) -> dict[str, Any]:
     """``tools``: the functions the answer may call; its text is parsed for their calls."""
     choices = []
@@ -138,7 +138,7 @@ class StreamChunks:
         *,
         offset: int = 0,
         echo: str | None = None,
-        tools: tuple[str, ...] | None = None,
+        tools: Offered | None = None,
     ) -> None:
         self.id = f"chatcmpl-{job_id}" if chat else f"cmpl-{job_id}"
         self.model = model
@@ -147,7 +147,7 @@ class StreamChunks:
         self.n = n
         self.offset = offset
         self.echo = echo
-        self.tool_streams = {i: ToolStream(tools) for i in range(n)} if tools else None
+        self.tool_streams = {i: tools.stream() for i in range(n)} if tools else None
         self.created = int(time.time())
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:

@@ -18,8 +18,8 @@ class GatewaySettings(PoolSettings):
     model_name: str = Field("", description="Model id served in the API (default: the GGUF file name without .gguf).")
     chat_template_file: str = Field(
         "",
-        description="Jinja chat template used instead of the model's own (as llama-server's --chat-template-file); "
-        "deploy/templates/chatml-tools.jinja gives a ChatML model tools.",
+        description="Jinja chat template used instead of the model's own (as llama-server's --chat-template-file). "
+        "Not needed for tools: a template that renders none gets them anyway (see the README's API).",
     )
     api_keys: dict[str, str] = Field(
         default_factory=dict,

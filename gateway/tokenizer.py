@@ -38,11 +38,8 @@ class Tokenizer:
         self.bos_token = self._piece(self.llm.token_bos())
         self.eos_token = self._piece(self.llm.token_eos())
         source = template or meta.get("tokenizer.chat_template") or DEFAULT_CHAT_TEMPLATE
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-        env.globals["raise_exception"] = _raise
-        env.filters["tojson"] = _tojson
         self.template_source = source
-        self.template = env.from_string(source)
+        self.template = compile_template(source)
         self.chat_stops = [s for s in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>") if s in source]
 
     def _piece(self, token: int) -> str:
@@ -57,13 +54,24 @@ class Tokenizer:
         add_bos = not (special and self.bos_token and text.startswith(self.bos_token))
         return self.llm.tokenize(text.encode(), add_bos=add_bos, special=special)
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None, template: jinja2.Template | None = None
+    ) -> str:
+        """``template``: another compiled template than the model's (`compile_template`)."""
         try:
-            return self.template.render(
+            return (template or self.template).render(
                 messages=list(messages), tools=tools or None, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
             )
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template failed: {e}") from None
+
+
+def compile_template(source: str) -> jinja2.Template:
+    """A chat template compiled as Hugging Face renders them: sandboxed, strict, with ``raise_exception`` and ``tojson``."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+    env.globals["raise_exception"] = _raise
+    env.filters["tojson"] = _tojson
+    return env.from_string(source)
 
 
 def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:

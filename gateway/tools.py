@@ -1,10 +1,10 @@
 """Tool calling: rendering tools with the model's chat template, forcing a call with a grammar, parsing calls out of the text.
 
-kvpool speaks the Hermes format that Qwen2.5's template (and
-``deploy/templates/chatml-tools.jinja``) uses: tools listed in the system turn, each call
+kvpool speaks the Hermes format that Qwen2.5's template (and kvpool's own
+``gateway/templates/chatml-tools.jinja``) uses: tools listed in the system turn, each call
 a ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block, each result a
-``tool`` message. A template that renders no ``tools``, or not this format, cannot carry
-tools, and a request with tools is refused naming the model.
+``tool`` message. A template that renders no ``tools`` in this format gets them another
+way (`gateway.toolformat`).
 
 ``tool_choice`` ``required`` or a named function is enforced by a grammar: one call (or,
 with ``parallel_tool_calls``, one or more) whose arguments match the function's
@@ -72,12 +72,13 @@ def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools or []]
 
 
-def tool_grammar(req: ChatCompletionRequest, vocab: Any) -> str | None:
-    """For a required or named ``tool_choice``: the grammar of one call (or several) to the allowed functions."""
-    if not req.forced_tools():
-        return None
+def call_rules(req: ChatCompletionRequest, conv: SchemaConverter, wrap: Any = None) -> list[str]:
+    """One grammar rule per function the request allows to be called: ``{"name": ..., "arguments": {...}}``.
+
+    ``wrap`` puts that object inside another (a format's envelope); every ``parameters``
+    schema is checked first, and one the grammar cannot enforce is a 400 naming its path.
+    """
     named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
-    conv = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
     calls = []
     for i, tool in enumerate(req.tools or []):
         f = tool.function
@@ -87,14 +88,23 @@ def tool_grammar(req: ChatCompletionRequest, vocab: Any) -> str | None:
         try:
             check_schema(params, f"tools.{i}.function.parameters")
             resolved = conv.resolve_refs(params, f"tool-{i}")
-            wrapper = {
+            call = {
                 "type": "object",
                 "properties": {"name": {"const": f.name}, "arguments": resolved},
                 "required": ["name", "arguments"],
             }
-            calls.append(conv.visit(wrapper, f"call-{i}"))
+            calls.append(conv.visit(wrap(call) if wrap else call, f"call-{i}"))
         except (AssertionError, ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
             raise SchemaError(f"tools.{i}.function.parameters", f"cannot be turned into a grammar: {e}") from None
+    return calls
+
+
+def tool_grammar(req: ChatCompletionRequest, vocab: Any) -> str | None:
+    """For a required or named ``tool_choice``: the grammar of one call (or several) to the allowed functions."""
+    if not req.forced_tools():
+        return None
+    conv = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    calls = call_rules(req, conv)
     block = conv._add_rule("tool-call-block", f'"{OPEN}\\n" ( {" | ".join(calls)} ) "\\n{CLOSE}"')
     conv._add_rule("root", f'{block} ( "\\n" {block} )*' if req.parallel_tool_calls else block)
     grammar: str = conv.format_grammar()
@@ -106,10 +116,10 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def _call(block: str, names: tuple[str, ...]) -> dict[str, Any] | None:
-    """One ``<tool_call>`` block's call, or None when it is not a call to one of the tools."""
+def parse_call(block: str | dict[str, Any], names: tuple[str, ...]) -> dict[str, Any] | None:
+    """One ``<tool_call>`` block's call (its text, or its JSON already parsed), or None when it is not a call to one of the tools."""
     try:
-        doc = json.loads(block)
+        doc = json.loads(block) if isinstance(block, str) else block
     except json.JSONDecodeError:
         return None
     if not isinstance(doc, dict) or doc.get("name") not in names:
@@ -173,9 +183,12 @@ class ToolStream:
         return self._content(rest)
 
     def _block(self, block: str) -> list[dict[str, Any]]:
-        call = _call(block, self.names)
+        call = parse_call(block, self.names)
         if call is None:
             return self._content(OPEN + block + CLOSE)
+        return self._call_deltas(call)
+
+    def _call_deltas(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         k = len(self.calls)
         self.calls.append(call)
         fn = call["function"]

@@ -9,7 +9,8 @@ Keys (all under a versioned prefix, default ``kvpool:v1:``):
 * ``chunk:<key hex>``   -- hash: ``ns``, ``index``, ``size``, ``created``; a tail also has
                            ``parent`` (hex of the chunk it hangs from), a full chunk that is
                            also a candidate (`add_branch`) has ``branch`` (its parent's hex), a
-                           full chunk past the first has ``up`` (its parent's hex)
+                           full chunk past the first has ``up`` (its parent's hex), a pinned entry ``pinned`` (Unix
+                           time its pin runs out)
 * ``children:<parent hex>`` -- set: the full chunks indexed under a chunk, so that the entries
                            hanging from a chunk whose blob is gone can be dropped with it (`drop_tree`)
 * ``tails:<parent hex>`` -- hash: candidate key hex -> its tokens (little-endian int32): the
@@ -35,6 +36,13 @@ score takes the deepest chunk of the least recently used chain first. Tails scor
 the deepest possible depth, so of everything touched at one time they go first, and
 they are never a parent. Scores stay below 2**53 (until the year 2105), so Redis's
 doubles hold them exactly.
+
+A *pin* (`pin`, asked for by a prompt's ``cache_control`` breakpoint) marks a prefix's
+entries with the time it runs out (``pinned`` in each hash), which eviction respects
+(`store.maintenance`), and scores them as if touched at that time: they sort after
+everything used before it, a prompt's capped tails keep them, and once the time passes
+it is simply their last use. A pin covers a whole prefix with one time, so parents
+still outlast their children.
 
 `lookup` answers "how deep is this chain stored, and which tails hang from its deepest
 stored chunk?" in one round trip, whatever the index holds: one ``ZSCORE`` per chunk of
@@ -80,6 +88,8 @@ class IndexEntry:
     accessed: float
     parent: bytes | None = None
     """Set for a tail only: the chunk it hangs from."""
+    pinned_until: float = 0.0
+    """Unix time before which eviction leaves the entry alone (`RedisIndex.pin`); 0: never pinned."""
 
     @property
     def tail(self) -> bool:
@@ -109,6 +119,7 @@ class RedisIndex:
         self._add_branch = client.register_script(lua.ADD_BRANCH)
         self._remove = client.register_script(lua.REMOVE)
         self._lookup = client.register_script(lua.LOOKUP)
+        self._pin = client.register_script(lua.PIN)
 
     @classmethod
     def from_url(cls, url: str, *, connect_timeout_s: float = 2.0, read_timeout_s: float = 10.0) -> RedisIndex:
@@ -185,6 +196,19 @@ class RedisIndex:
             mapping[tail.hex()] = lru_score(t, TAIL_DEPTH)
 
         self._call(lambda: self.r.zadd(self.lru_key, mapping, xx=True, gt=True))
+
+    def pin(self, keys: Sequence[bytes], until: float, *, tail: bytes | None = None) -> None:
+        """Keep a chain prefix ``keys[0..]`` (and a tail hanging from it) from eviction until ``until`` (Unix time).
+
+        A pin only ever lengthens, and entries that are not indexed are not pinned.
+        """
+        entries = [(k, lru_score(until, depth)) for depth, k in enumerate(keys)] + ([(tail, lru_score(until, TAIL_DEPTH))] if tail else [])
+        if not entries:
+            return
+        args: list[str | int] = [repr(until)]
+        for k, score in entries:
+            args += [k.hex(), score]
+        self._call(lambda: self._pin(keys=[self.lru_key, *[self._chunk(k) for k, _ in entries]], args=args))
 
     def add(self, key: bytes, namespace: bytes, index: int, size: int, now: float | None = None, *, parent: bytes | None = None) -> bool:
         """Index one stored blob (``parent``: the chunk it follows, linked for `drop_tree`); False when it was already indexed."""
@@ -297,6 +321,7 @@ def _entry(key: bytes, h: dict[bytes, bytes], score: float) -> IndexEntry:
         created=float(h[b"created"]),
         accessed=score_time(score),
         parent=bytes.fromhex(h[b"parent"].decode()) if b"parent" in h else None,
+        pinned_until=float(h.get(b"pinned", 0)),
     )
 
 

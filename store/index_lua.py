@@ -107,3 +107,17 @@ for i = 3, #ARGV do
 end
 return {depth, redis.call('HGETALL', ARGV[1] .. 'tails:' .. ARGV[2 + depth])}
 """
+
+# Pin indexed entries until a time (never shortening a pin): KEYS: lru, then chunk hashes;
+# ARGV: the time, then each entry's key hex and score.
+PIN = """
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    if tonumber(redis.call('HGET', KEYS[i], 'pinned') or '0') < tonumber(ARGV[1]) then
+      redis.call('HSET', KEYS[i], 'pinned', ARGV[1])
+    end
+    redis.call('ZADD', KEYS[1], 'XX', 'GT', ARGV[2 * i - 1], ARGV[2 * i - 2])
+  end
+end
+return 0
+"""

@@ -58,19 +58,27 @@ class Maintenance:
 
     # -- maintenance -----------------------------------------------------------
 
-    def gc(self, max_bytes: int) -> GcResult:
-        """Evict least recently used chunks, deepest first, until at most ``max_bytes`` are stored."""
+    def gc(self, max_bytes: int, now: float | None = None) -> GcResult:
+        """Evict least recently used chunks, deepest first, until at most ``max_bytes`` are stored.
+
+        Pinned entries (`RedisIndex.pin`) are never evicted before their pin runs out, even
+        when that leaves the store over budget: they sort after everything used before their
+        pin runs out, so eviction stops at the first one.
+        """
         evicted = freed = 0
+        t = time.time() if now is None else now
         total = self._guard("redis", self.index.total_bytes)
         while total > max_bytes:
             entries = [e for e in (self.index.get(k) for k in self.index.coldest(64)) if e is not None]
-            if not entries:
-                break
             victims: list[IndexEntry] = []
             for e in entries:
-                if total - sum(v.size for v in victims) <= max_bytes:
+                if total - sum(v.size for v in victims) <= max_bytes or e.pinned_until > t:
                     break
                 victims.append(e)
+            if not victims:
+                if entries:
+                    log.warning("store.gc_pinned", extra={"total_bytes": total, "max_bytes": max_bytes})
+                break
             freed_now = self.index.remove([v.key for v in victims])
             names = [str(BlobName(v.namespace, v.index, v.key, v.tail)) for v in victims]
             for fut in [self._pool.submit(self.backend.delete, n) for n in names]:

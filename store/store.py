@@ -282,6 +282,16 @@ class Store(Maintenance):
             self.gc(self.max_bytes)
         return pushed is not None
 
+    def pin(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, until: float) -> None:
+        """Keep the stored prefix ``tokens`` (its full chunks, and its tail if it ends inside a chunk) until ``until``.
+
+        What is not stored yet is not pinned: publish first (`store.index.RedisIndex.pin`).
+        """
+        keys = ns.chain(tokens)
+        end = len(keys) * ns.chunk_size
+        tail = tail_key(ns.parent_of(keys, len(keys)), tokens[end:]) if end < len(tokens) else None
+        self._guard("redis", lambda: self.index.pin(keys, until, tail=tail))
+
     # -- internals -------------------------------------------------------------
 
     def _describe(self, ns: Namespace) -> None:

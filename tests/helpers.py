@@ -5,16 +5,19 @@ Fixtures live in the conftests; a test module imports these from here, never fro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import anthropic
 import llama_cpp
 import numpy as np
 import openai
 import redis
 
-from gateway.pool.procs import S3_ACCESS_KEY, S3_SECRET_KEY, GatewayProcess
+from gateway.pool.procs import S3_ACCESS_KEY, S3_SECRET_KEY, GatewayProcess, RedisServer, S3Server, WorkerProcess, free_port
 from store.chain import Namespace
 from store.fingerprint import fingerprint_file
 from store.settings import StoreSettings
@@ -112,7 +115,7 @@ def openai_client(gateway: GatewayProcess, api_key: str = "unused") -> openai.Op
 SMOL = "SmolLM2-135M-Instruct.Q4_1"
 
 
-TOOLS_TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "templates" / "chatml-tools.jinja"
+TOOLS_TEMPLATE = Path(__file__).resolve().parents[1] / "gateway" / "templates" / "chatml-tools.jinja"
 
 
 @dataclass
@@ -171,3 +174,39 @@ class PoolClient:
         out = self.collect(self.submit(self.spec(tokens, **kw), worker=worker))
         assert out.result is not None, f"job failed: {out.error}"
         return out.result
+
+
+@dataclass
+class Pool:
+    gateway: GatewayProcess
+    workers: dict[str, WorkerProcess]
+    env: dict[str, str]
+    redis_url: str
+    store: StoreSettings
+    logs: Path
+
+    def client(self, **kwargs: object) -> anthropic.Anthropic:
+        kwargs.setdefault("api_key", "unused")
+        return anthropic.Anthropic(base_url=self.gateway.url, max_retries=0, timeout=600, **kwargs)  # type: ignore[arg-type]
+
+    def start_worker(self, name: str) -> WorkerProcess:
+        w = WorkerProcess(name, self.env, self.logs / f"{name}.log").start()
+        self.workers[name] = w
+        return w
+
+
+@contextmanager
+def running_pool(redis_server: RedisServer, s3_server: S3Server, model: Path, logs: Path, workers: list[str], **env: str) -> Iterator[Pool]:
+    redis.Redis.from_url(redis_server.url).flushall()
+    settings = s3_settings(s3_server.endpoint_url, f"kvpool-test-{uuid.uuid4().hex[:12]}", redis_server.url)
+    pool_env = {**env_for_pool(redis_server.url, settings, model, POOL_CHUNK), **env}
+    pool = Pool(GatewayProcess(pool_env, free_port(), logs / "gateway.log"), {}, pool_env, redis_server.url, settings, logs)
+    try:
+        for name in workers:
+            pool.start_worker(name)
+        pool.gateway.start()
+        yield pool
+    finally:
+        pool.gateway.stop()
+        for w in pool.workers.values():
+            w.kill()

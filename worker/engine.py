@@ -53,7 +53,7 @@ from worker.llama_state import (
 )
 from worker.namespace import SHARED_KERNELS, cache_format, kernels_field, worker_kernels
 from worker.prefix import Plan, PrefixFinder
-from worker.protocol import ChoiceResult, JobResult, JobSpec, Timings, TokenEvent, Usage
+from worker.protocol import Breakpoint, ChoiceResult, JobResult, JobSpec, Timings, TokenEvent, Usage
 from worker.publisher import Publisher
 from worker.sampling import Output, sample_choices
 from worker.scoring import score_prompt
@@ -180,7 +180,7 @@ class Engine(PrefixFinder):
             self.context_tenant, self.exact_upto = spec.tenant_salt, len(tokens)
             outs = self._generate(spec, emit, lambda: self._publish_or_defer(spec, ns, tokens, plan))
             out = outs[0]
-            self._publish(ns, tokens, plan)
+            self._publish(ns, tokens, plan, spec.breakpoints)
         finally:
             self._handoff(plan)()
         if spec.wait_for_publish and self.publisher is not None:
@@ -253,6 +253,7 @@ class Engine(PrefixFinder):
             timings=timings,
             worker=self.name,
             store_status=plan.store_status,
+            stop_sequence=out.stop_sequence,
             logprobs=out.logprobs if want_lp else None,
             extra_choices=[
                 ChoiceResult(index=o.index, text=o.text, finish_reason=o.finish, tokens=o.tokens, logprobs=o.logprobs if want_lp else None)
@@ -268,6 +269,8 @@ class Engine(PrefixFinder):
             raise JobRejected(f"job uses chunk size {spec.chunk_size}, this worker {self.settings.chunk_size}")
         if len(spec.tokens) >= self.settings.n_ctx:
             raise JobRejected(f"prompt of {len(spec.tokens)} tokens does not fit the context of {self.settings.n_ctx}")
+        if any(b.tokens > len(spec.tokens) for b in spec.breakpoints):
+            raise JobRejected(f"a breakpoint lies past the prompt's {len(spec.tokens)} tokens")
         n_vocab = self.llm.n_vocab()
         if any(t < 0 or t >= n_vocab for t in [*spec.tokens, *spec.sampling.logit_bias]):
             raise JobRejected(f"token ids must lie in [0, {n_vocab})")
@@ -306,12 +309,14 @@ class Engine(PrefixFinder):
 
     # -- publishing -------------------------------------------------------------
 
-    def _publish(self, ns: Namespace, tokens: list[int], plan: Plan) -> None:
+    def _publish(self, ns: Namespace, tokens: list[int], plan: Plan, breakpoints: Sequence[Breakpoint] = ()) -> None:
         """Hand the prompt's state to the background publisher, once a job; it stores what the store lacks.
 
         That is the full chunks and the partial last one (the tail), so that any worker can
-        resume at this prompt's last token. Called just after the first token is out when the
-        store lacks a full chunk (`_publish_or_defer`), or at the end when no token came. Only the prompt is
+        resume at this prompt's last token, and the prefix up to each breakpoint, which it
+        then pins. Called just after the first token is out when the store lacks a full chunk
+        or the job has breakpoints (`_publish_or_defer`), or at the end when no token came
+        (an answer cut short still publishes). Only the prompt is
         published: the cells of generated tokens come from one-token batches, so they are
         not what a cold evaluation would hold (`settle` publishes them once re-evaluated).
         """
@@ -319,12 +324,14 @@ class Engine(PrefixFinder):
             return
         plan.published = True
         release = self._handoff(plan)
-        if plan.store_tokens >= len(tokens):
+        state = None
+        if plan.store_tokens < len(tokens) or self.publisher.lacks(ns, tokens, breakpoints):
+            state = self._snapshot()
+            if state is None:
+                return release()
+        if state is None and not breakpoints:
             return release()
-        state = self._snapshot()
-        if state is None:
-            return release()
-        self.publisher.submit(ns, tokens, state, on_done=release)
+        self.publisher.submit(ns, tokens, state, on_done=release, breakpoints=breakpoints)
 
     def _publish_or_defer(self, spec: JobSpec, ns: Namespace, tokens: list[int], plan: Plan) -> None:
         """At the first token: publish now if the store lacks a full chunk, else leave the tail for `after_answer`.
@@ -332,11 +339,12 @@ class Engine(PrefixFinder):
         New full chunks go out at once: other workers may be waiting for them (`worker.leases`).
         A tail alone serves only a later resend or turn of this prompt, so copying the whole
         sequence state for it (about 40 ms for 2,000 tokens of a small model) waits until the
-        answer is out. A batch leader's siblings wait for its publish, so it never defers.
+        answer is out. A batch leader's siblings wait for its publish, and a job with
+        breakpoints asked for its prefix to be kept whatever becomes of the answer: neither defers.
         """
         full = len(tokens) // ns.chunk_size * ns.chunk_size
-        if spec.wait_for_publish or plan.store_tokens < full or plan.published or not self.restore_enabled:
-            return self._publish(ns, tokens, plan)
+        if spec.wait_for_publish or spec.breakpoints or plan.store_tokens < full or plan.published or not self.restore_enabled:
+            return self._publish(ns, tokens, plan, spec.breakpoints)
         plan.published = True
         self._handoff(plan)()
         if self.publisher is not None and plan.store_tokens < len(tokens):

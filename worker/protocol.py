@@ -72,6 +72,16 @@ class SamplingParams(BaseModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=20, description="Score the prompt: each token's logprob and this many alternatives.")
 
 
+MAX_BREAKPOINTS = 4
+
+
+class Breakpoint(BaseModel):
+    """A prefix of the prompt to keep: published at once, whatever becomes of the answer, and pinned in the store."""
+
+    tokens: int = Field(ge=1, description="The prompt's first this many tokens.")
+    ttl_s: float = Field(gt=0, le=86_400, description="How long the store keeps them from eviction.")
+
+
 class JobSpec(BaseModel):
     """One completion request, already tokenized and hashed by the gateway."""
 
@@ -85,6 +95,7 @@ class JobSpec(BaseModel):
     wait_for_publish: bool = Field(
         False, description="Return only once the new chunks are in the store (batch leaders whose siblings wait on them)."
     )
+    breakpoints: list[Breakpoint] = Field(default_factory=list, max_length=MAX_BREAKPOINTS)
 
 
 def job_spec(
@@ -156,6 +167,7 @@ class JobResult(BaseModel):
     timings: Timings
     worker: str
     store_status: StoreStatus = "ok"
+    stop_sequence: str | None = Field(None, description="The stop string that ended the first choice, if one did.")
     logprobs: list[float] | None = None
     extra_choices: list[ChoiceResult] = Field(default_factory=list, description="Choices 1..n-1 when n > 1.")
     prompt_logprobs: list[TokenEvent] | None = Field(None, description="Per prompt token (the first has no logprob), when asked for.")

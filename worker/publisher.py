@@ -5,6 +5,10 @@ on; a thread finds which full chunks, and whether the partial last chunk (the ta
 the store lacks, cuts just those and publishes them.
 When the store is slow and tasks pile up past the queue bound, new tasks are dropped
 and counted rather than holding up a job: the next request simply re-publishes.
+
+A job's breakpoints (`worker.protocol.Breakpoint`, a client's ``cache_control``) are
+published the same way, each prefix with its own tail, and then pinned in the store for
+their TTL; a task with no state only pins (the store held everything already).
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ from store.store import Store
 from worker import metrics
 from worker.kvchunks import cut_cells, cut_state
 from worker.kvstate import Buffer, StateFormatError
+from worker.protocol import Breakpoint
 
 log = logging.getLogger("kvpool.worker.publish")
 
-_Task = tuple[Namespace, list[int], Buffer, Callable[[], None] | None]
+_Task = tuple[Namespace, list[int], Buffer | None, Callable[[], None] | None, list[Breakpoint]]
 """What to publish: the namespace, the tokens, the state holding their cells, and what to run when done."""
 
 
@@ -37,13 +42,20 @@ class Publisher:
         self._thread = threading.Thread(target=self._run, name="kvpool-publisher", daemon=True)
         self._thread.start()
 
-    def submit(self, ns: Namespace, tokens: Sequence[int], state: Buffer, on_done: Callable[[], None] | None = None) -> bool:
-        """Queue the chunks of ``tokens`` (whose cells ``state`` holds) for publishing; False if dropped.
+    def submit(
+        self,
+        ns: Namespace,
+        tokens: Sequence[int],
+        state: Buffer | None,
+        on_done: Callable[[], None] | None = None,
+        breakpoints: Sequence[Breakpoint] = (),
+    ) -> bool:
+        """Queue the chunks of ``tokens`` (whose cells ``state`` holds) for publishing, then pin the breakpoints; False if dropped.
 
         ``on_done`` runs once the task is over, whether it published, failed or was dropped.
         """
         try:
-            self._tasks.put_nowait((ns, list(tokens), state, on_done))
+            self._tasks.put_nowait((ns, list(tokens), state, on_done, list(breakpoints)))
             return True
         except queue.Full:
             metrics.PUBLISH_ERRORS.labels(**self.labels, reason="queue_full").inc()
@@ -78,8 +90,10 @@ class Publisher:
             try:
                 if task is None:
                     return
-                ns, tokens, state, on_done = task
-                self._publish(ns, tokens, state)
+                ns, tokens, state, on_done, breakpoints = task
+                if state is not None:
+                    self._publish(ns, tokens, state)
+                self._keep(ns, tokens, state, breakpoints)
             except (StoreError, StateFormatError) as e:
                 metrics.PUBLISH_ERRORS.labels(**self.labels, reason=type(e).__name__).inc()
                 log.warning("publish.failed", extra={"error": type(e).__name__, "reason": str(e)})
@@ -90,6 +104,30 @@ class Publisher:
                 if on_done is not None:
                     on_done()
                 self._tasks.task_done()
+
+    def lacks(self, ns: Namespace, tokens: Sequence[int], breakpoints: Sequence[Breakpoint]) -> bool:
+        """Whether the store lacks part of a breakpoint's prefix (one round trip; an unreachable index counts as no)."""
+        if not breakpoints:
+            return False
+        wanted: list[bytes] = []
+        for b in breakpoints:
+            keys = ns.chain(tokens[: b.tokens])
+            end = len(keys) * ns.chunk_size
+            wanted += [*keys, *([tail_key(ns.parent_of(keys, len(keys)), tokens[end : b.tokens])] if end < b.tokens else [])]
+        try:
+            return not all(self.store.index.present(wanted))
+        except StoreError:
+            return False
+
+    def _keep(self, ns: Namespace, tokens: list[int], state: Buffer | None, breakpoints: list[Breakpoint]) -> None:
+        """Publish each breakpoint's prefix (its tail, mostly: its chunks are the prompt's), then pin it."""
+        now = time.time()
+        for b in breakpoints:
+            if state is not None and b.tokens < len(tokens):
+                self._publish(ns, tokens[: b.tokens], state)
+            self.store.pin(ns, tokens[: b.tokens], now + b.ttl_s)
+        if breakpoints:
+            log.info("publish.pinned", extra={"breakpoints": [b.tokens for b in breakpoints]})
 
     def _publish(self, ns: Namespace, tokens: list[int], state: Buffer) -> None:
         t0 = time.perf_counter()

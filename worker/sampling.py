@@ -40,6 +40,7 @@ class Output:
     text: str = ""
     finish: FinishReason = "length"
     t_first: float | None = None
+    stop_sequence: str | None = None
 
 
 def sample_choices(
@@ -115,7 +116,7 @@ def _one(
         gen.close()
     if out.finish != "cancelled" and not stream.stopped and (tail := stream.flush()):
         emit(TokenEvent(text=tail, token=-1, index=index))
-    out.text = stream.text
+    out.text, out.stop_sequence = stream.text, stream.matched
     return out
 
 

@@ -26,6 +26,8 @@ class TextStream:
         self._pending = ""
         self.text = ""
         self.stopped = False
+        self.matched: str | None = None
+        """The stop string that ended the text."""
 
     def push(self, token: int) -> str:
         """Add one token; return the text that became safe to emit (possibly empty)."""
@@ -35,7 +37,7 @@ class TextStream:
         for s in self.stop:
             at = self._pending.find(s)
             if at >= 0:
-                self.stopped = True
+                self.stopped, self.matched = True, s
                 return self._release(self._pending[:at])
         hold = max((k for s in self.stop for k in range(1, len(s)) if self._pending.endswith(s[:k])), default=0)
         return self._release(self._pending[: len(self._pending) - hold])

@@ -74,3 +74,20 @@ def test_a_streamed_tool_call(chat) -> None:
     assert [c["name"] for c in gathered.tool_calls] == ["GetWeather"]
     assert "rome" in gathered.tool_calls[0]["args"]["city"].lower()
     assert gathered.response_metadata.get("finish_reason") == "tool_calls"
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def test_bind_tools_on_the_default_model_gives_a_tool_call(smol_pool) -> None:
+    """SmolLM2 as it ships (a ChatML template without tools): no template file to set."""
+    chat = langchain_openai.ChatOpenAI(
+        model=SMOL, base_url=smol_pool.url + "/v1", api_key="unused", temperature=0, max_retries=0, timeout=120
+    )
+    message = chat.bind_tools([add], tool_choice="any", parallel_tool_calls=False).invoke("What is 2+3?")
+    [call] = message.tool_calls
+    assert call["name"] == "add" and set(call["args"]) == {"a", "b"} and all(isinstance(v, int) for v in call["args"].values())
+    free = chat.bind_tools([add]).invoke("What is 2+3?")  # auto: the model may answer in text; what it may not get is a 400
+    assert free.content or free.tool_calls

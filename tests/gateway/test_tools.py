@@ -101,15 +101,62 @@ def test_auto_and_none_leave_the_choice_to_the_model(smol_tools_pool) -> None:
     assert "<tool_call>" not in (message.content or "") or message.tool_calls is None
 
 
-def test_a_template_without_tools_is_400_naming_the_model(smol_pool) -> None:
-    r = httpx.post(smol_pool.url + "/v1/chat/completions", json={"model": SMOL, "messages": ASK, "tools": [WEATHER]})
-    err = assert_openai_error(r, 400, SMOL, "KVPOOL_CHAT_TEMPLATE_FILE")
-    assert err["code"] == "tools_unsupported"
-    plain = httpx.post(
-        smol_pool.url + "/v1/chat/completions",
-        json={"model": SMOL, "messages": ASK, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 2},
-    )
-    assert plain.status_code == 200
+def test_the_default_model_gets_tools_without_a_template_of_its_own(smol_pool) -> None:
+    """SmolLM2's template is ChatML without tools: a request with tools is rendered in kvpool's Hermes template."""
+    client = openai_client(smol_pool)
+    r = client.chat.completions.create(model=SMOL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=80)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert "paris" in args_of(r.choices[0].message.tool_calls[0], WEATHER)["city"].lower()
+    auto = client.chat.completions.create(model=SMOL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=40)
+    assert auto.choices[0].message.content or auto.choices[0].message.tool_calls
+    # Without tools, the model's own template renders the prompt, to the token (its own default system turn).
+    plain = httpx.post(smol_pool.url + "/tokenize", json={"content": SMOL_PROMPT.format(question=ASK[0]["content"])}).json()["tokens"]
+    usage = client.chat.completions.create(model=SMOL, messages=ASK, max_tokens=1).usage
+    assert usage.prompt_tokens == len(plain)
+
+
+SMOL_PROMPT = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+)
+ZEPHYR = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""A template that is not ChatML and renders no tools: such a model gets the generic JSON format."""
+
+
+@pytest.fixture
+def smol_generic_pool(start_worker, start_gateway, smollm2, tmp_path) -> object:
+    template = tmp_path / "zephyr.jinja"
+    template.write_text(ZEPHYR)
+    start_worker("smol-1", KVPOOL_MODEL=str(smollm2))
+    return start_gateway(KVPOOL_MODEL=str(smollm2), KVPOOL_CHAT_TEMPLATE_FILE=str(template))
+
+
+def test_a_template_neither_chatml_nor_with_tools_gets_the_generic_json_format(smol_generic_pool) -> None:
+    client = openai_client(smol_generic_pool)
+    kwargs = dict(model=SMOL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=80)
+    r = client.chat.completions.create(**kwargs)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    [call] = r.choices[0].message.tool_calls
+    assert "paris" in args_of(call, WEATHER)["city"].lower()
+
+    deltas = [d for chunk in client.chat.completions.create(**kwargs, stream=True) for c in chunk.choices for d in c.delta.tool_calls or []]
+    assert deltas[0].function.name == "get_weather" and json.loads(deltas[1].function.arguments) == json.loads(call.function.arguments)
+
+    # auto: the grammar lets the model answer or call; either way the JSON never reaches the client.
+    auto = client.chat.completions.create(model=SMOL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=80)
+    message = auto.choices[0].message
+    assert message.tool_calls or (message.content and not message.content.startswith("{"))
+
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees."},
+    ]
+    after = client.chat.completions.create(model=SMOL, messages=history, tools=[WEATHER], temperature=0, max_tokens=60)
+    assert after.choices[0].message.content or after.choices[0].message.tool_calls
+    assert after.usage.prompt_tokens_details.cached_tokens > 0  # the tools and the question are a shared prefix
 
 
 BAD = [

@@ -1,0 +1,66 @@
+"""Which tool format a chat template gets, and how the generic format writes a conversation: no model needed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gateway.schemas import ChatCompletionRequest
+from gateway.toolformat import JsonToolStream, ToolFormat, generic_messages, packaged_template
+from tests.gateway.test_tools import ZEPHYR
+
+REPO = Path(__file__).resolve().parents[2]
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+
+
+def test_each_template_gets_its_format() -> None:
+    hermes = packaged_template()
+    assert ToolFormat.for_template(hermes).kind == "native"  # it renders tools in the <tool_call> format itself
+    chatml = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    assert ToolFormat.for_template(chatml).kind == "hermes"
+    assert ToolFormat.for_template(ZEPHYR).kind == "generic"
+
+
+def test_the_hermes_template_ships_inside_the_package() -> None:
+    assert "<tool_call>" in packaged_template()
+    assert (REPO / "gateway" / "templates" / "chatml-tools.jinja").read_text() == packaged_template()
+    assert 'gateway = ["templates/*.jinja"]' in (REPO / "pyproject.toml").read_text()  # package data: installed with the gateway
+
+
+def test_the_generic_format_writes_calls_results_and_answers_as_json() -> None:
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "tools": [TOOL],
+            "messages": [
+                {"role": "user", "content": "What is 2+3?"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "5"},
+                {"role": "user", "content": "Thanks."},
+                {"role": "assistant", "content": "You are welcome."},
+                {"role": "user", "content": "Bye."},
+            ],
+        }
+    )
+    out = generic_messages(req)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert '"name": "add"' in out[0]["content"] and "tool_call" in out[0]["content"]
+    assert json.loads(out[2]["content"]) == {"tool_call": {"name": "add", "arguments": {"a": 2}}}
+    assert out[3]["content"].splitlines() == [json.dumps({"tool_response": {"id": "c1", "content": "5"}}), "Thanks."]
+    assert json.loads(out[4]["content"]) == {"response": "You are welcome."}
+
+
+def test_a_generic_answer_is_parsed_once_complete() -> None:
+    stream = JsonToolStream(("add",))
+    assert stream.push('{"tool_call": {"name": "add", ') == [] and stream.push('"arguments": {"a": 1}}}') == []
+    deltas = stream.flush()
+    assert deltas[0]["tool_calls"][0]["function"]["name"] == "add" and json.loads(stream.calls[0]["function"]["arguments"]) == {"a": 1}
+    answer = JsonToolStream(("add",))
+    answer.push('{"response": "Five."}')
+    assert answer.flush() == [{"content": "Five."}] and answer.calls == []
+    cut = JsonToolStream(("add",))
+    cut.push('{"response": "Fi')
+    assert cut.flush() == [{"content": '{"response": "Fi'}]  # cut short by max_tokens: the text as it is
