@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 import redis
+import xxhash
 from rq import Queue
 
 from gateway import metrics
@@ -43,11 +44,31 @@ class Route:
     depth: int = 0
 
 
-def choose(ads: list[Advert], chain: list[str], queue_lengths: dict[str, int], shared: str, max_queue: int) -> Route:
-    """The routing rule, as a plain function of what the workers advertise."""
+def choose(
+    ads: list[Advert],
+    chain: list[str],
+    queue_lengths: dict[str, int],
+    shared: str,
+    max_queue: int,
+    route_key: str | None = None,
+    key_max_queue: int = 0,
+) -> Route:
+    """The routing rule, as a plain function of what the workers advertise.
+
+    While no worker holds any of the prefix, a request with a ``prompt_cache_key``
+    (``route_key``) goes to the worker that key hashes to (rendezvous hashing over the live
+    workers' names, so a worker joining or leaving moves only its own keys), busy or not,
+    while at most ``key_max_queue`` jobs wait there: a burst sharing a new prefix then
+    lands on one worker, which evaluates the prefix once and serves the rest from its context.
+    """
     best = max(ads, key=lambda a: a.depth(chain), default=None)
     depth = best.depth(chain) if best else 0
     if best is None or depth == 0:
+        if route_key is not None and ads:
+            keyed = max(ads, key=lambda a: xxhash.xxh3_64_intdigest(f"{route_key}\0{a.worker}".encode()))
+            if queue_lengths.get(keyed.worker, 0) <= key_max_queue:
+                return Route(worker_queue(keyed.worker), "cache_key", keyed.worker)
+            return Route(shared, "cache_key_busy", keyed.worker)
         return Route(shared, "no_holder")
     if best.busy or queue_lengths.get(best.worker, 0) > max_queue:
         return Route(shared, "holder_busy", best.worker, depth)
@@ -155,7 +176,9 @@ class Dispatcher:
                 code="queue_full",
                 headers={"Retry-After": str(max(1, min(60, int(finish - self.settings.request_timeout_s))))},
             )
-        route = choose(ads, spec.chain, lengths, self.settings.queue, self.settings.route_max_queue)
+        route = choose(
+            ads, spec.chain, lengths, self.settings.queue, self.settings.route_max_queue, spec.route_key, self.settings.cache_key_max_queue
+        )
         if depends_on is not None:
             route = Route(self.settings.queue, "batch_dependent")
         metrics.ROUTED.labels(route.reason).inc()
