@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import redis
+import xxhash
 from rq import Queue
 
 from gateway import metrics
@@ -64,6 +65,10 @@ class RouteReason(StrEnum):
     """In a pool of several layouts: to a free worker of the layout whose stored chunks reach deepest."""
     STORE_LAYOUT_BUSY = "store_layout_busy"
     """The same, but every worker of that layout is busy: the shared queue."""
+    CACHE_KEY = "cache_key"
+    """No worker holds any of the prefix: to the worker the request's ``prompt_cache_key`` hashes to."""
+    CACHE_KEY_BUSY = "cache_key_busy"
+    """The same, but too many jobs wait there: the shared queue."""
 
 
 class RejectReason(StrEnum):
@@ -90,8 +95,17 @@ def choose(
     shared: str,
     max_queue: int,
     stored: Mapping[str, int] | None = None,
+    route_key: str | None = None,
+    key_max_queue: int = 0,
 ) -> Route:
-    """The routing rule, as a plain function of what the workers advertise and (``stored``) how deep each layout's blobs go."""
+    """The routing rule, as a plain function of what the workers advertise and (``stored``) how deep each layout's blobs go.
+
+    While no worker holds any of the prefix, a request with a ``prompt_cache_key``
+    (``route_key``) goes to the worker that key hashes to (rendezvous hashing over the live
+    workers' names, so a worker joining or leaving moves only its own keys), busy or not,
+    while at most ``key_max_queue`` jobs wait there: a burst sharing a new prefix then
+    lands on one worker, which evaluates the prefix once and serves the rest from its context.
+    """
     best = max(ads, key=lambda a: a.depth(chain), default=None)
     depth = best.depth(chain) if best else 0
     layouts, store_depth = _deepest_layouts(stored or {})
@@ -102,6 +116,11 @@ def choose(
         pick = min(free, key=lambda a: (queue_lengths.get(a.worker, 0), -a.depth(chain), a.worker))
         return Route(worker_queue(pick.worker), RouteReason.STORE_LAYOUT, pick.worker, store_depth)
     if best is None or depth == 0:
+        if route_key is not None and ads:
+            keyed = max(ads, key=lambda a: xxhash.xxh3_64_intdigest(f"{route_key}\0{a.worker}".encode()))
+            if queue_lengths.get(keyed.worker, 0) <= key_max_queue:
+                return Route(worker_queue(keyed.worker), RouteReason.CACHE_KEY, keyed.worker)
+            return Route(shared, RouteReason.CACHE_KEY_BUSY, keyed.worker)
         return Route(shared, RouteReason.NO_HOLDER)
     if best.busy or queue_lengths.get(best.worker, 0) > max_queue:
         return Route(shared, RouteReason.HOLDER_BUSY, best.worker, depth)
@@ -228,7 +247,16 @@ class Dispatcher:
                 headers={"Retry-After": str(max(1, min(60, int(finish - self.settings.request_timeout_s))))},
             )
         stored = stored_depths(self.index, ads, spec) if depends_on is None else {}
-        route = choose(ads, spec.chain, lengths, self.settings.queue, self.settings.route_max_queue, stored)
+        route = choose(
+            ads,
+            spec.chain,
+            lengths,
+            self.settings.queue,
+            self.settings.route_max_queue,
+            stored,
+            spec.route_key,
+            self.settings.cache_key_max_queue,
+        )
         if depends_on is not None:
             route = Route(self.settings.queue, RouteReason.BATCH_DEPENDENT)
         metrics.ROUTED.labels(route.reason).inc()

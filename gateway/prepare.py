@@ -135,5 +135,6 @@ class Preparer:
                 prompt_logprobs=logprobs if score else None,
             ),
             enqueued_at=time.time(),
+            route_key=req.prompt_cache_key,
         )
         return Prepared(spec, chat)

@@ -58,6 +58,9 @@ class _Common(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
+    prompt_cache_key: str | None = Field(
+        None, max_length=1024, description="Requests that share a prefix and this key are routed to one worker while none holds it."
+    )
     top_k: int = Field(40, ge=0, description="kvpool extension: llama.cpp's top-k.")
     min_p: float = Field(0.05, ge=0.0, le=1.0, description="kvpool extension: llama.cpp's min-p.")
     repeat_penalty: float = Field(1.0, gt=0.0, description="kvpool extension: llama.cpp's repeat penalty.")

@@ -36,6 +36,12 @@ class GatewaySettings(PoolSettings):
     route_max_queue: int = Field(
         0, ge=0, description="Jobs already queued at a worker beyond which locality routing gives way to the shared queue."
     )
+    cache_key_max_queue: int = Field(
+        8,
+        ge=0,
+        description="Jobs already queued at the worker a prompt_cache_key routes to (while no worker holds the prefix) beyond which "
+        "such a request goes to the shared queue.",
+    )
     redis_outage_s: float = Field(10.0, ge=0, description="How long a request waits for an unreachable Redis before 503.")
     request_timeout_s: float = Field(300.0, gt=0, description="Longest a request may wait for its answer (504 after).")
     idempotency_ttl_s: float = Field(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
+import xxhash
 from pydantic import BaseModel, Field
 
 from store.chain import prefix_namespace
@@ -96,6 +97,9 @@ class JobSpec(BaseModel):
         False, description="Return only once the new chunks are in the store (batch leaders whose siblings wait on them)."
     )
     breakpoints: list[Breakpoint] = Field(default_factory=list, max_length=MAX_BREAKPOINTS)
+    route_key: str | None = Field(
+        None, description="Hash of the tenant and the request's prompt_cache_key: where to route while no worker holds the prefix."
+    )
 
 
 def job_spec(
@@ -107,8 +111,13 @@ def job_spec(
     sampling: SamplingParams | None = None,
     enqueued_at: float | None = None,
     wait_for_publish: bool = False,
+    route_key: str | None = None,
 ) -> JobSpec:
-    """The one way to build a job: its prefix keys are hashed here, from its tokens (`store.chain.prefix_namespace`)."""
+    """The one way to build a job: its prefix keys are hashed here, from its tokens (`store.chain.prefix_namespace`).
+
+    ``route_key`` is the request's ``prompt_cache_key``; it is hashed with the tenant's salt,
+    so two tenants' keys never meet.
+    """
     keys = prefix_namespace(model, chunk_size, tenant_salt).chain(tokens)
     return JobSpec(
         tokens=tokens,
@@ -119,6 +128,7 @@ def job_spec(
         sampling=sampling or SamplingParams(),
         enqueued_at=time.time() if enqueued_at is None else enqueued_at,
         wait_for_publish=wait_for_publish,
+        route_key=None if route_key is None else xxhash.xxh3_64_hexdigest(f"{tenant_salt}\0{route_key}".encode()),
     )
 
 

@@ -102,6 +102,8 @@ def _one(
                 out.t_first = time.perf_counter()
             if is_end_of_generation(llm, tok):
                 out.finish = "stop"
+                if s.prompt_logprobs is not None and s.logprobs is not None:
+                    emit(end_event(llm, tok, s.logprobs, index))
                 break
             out.tokens.append(tok)
             if not emit(token_event(llm, tok, stream.push(tok), s.logprobs, out)):
@@ -127,6 +129,18 @@ def token_event(llm: llama_cpp.Llama, tok: int, text: str, top_n: int | None, ou
     out.logprobs.append(lp)
     piece = llm.detokenize([tok]).decode("utf-8", "replace")
     return TokenEvent(text=text, token=tok, piece=piece, logprob=lp, top_logprobs=top, index=out.index)
+
+
+def end_event(llm: llama_cpp.Llama, tok: int, top_n: int, index: int) -> TokenEvent:
+    """The end-of-generation token of a scored prompt's answer, with its logprob and no text.
+
+    Evaluation harnesses (lm-eval's ``local-completions``) score ``prompt + one generated
+    token`` and drop the last entry as the generated one; an answer that ends at once must
+    still list that token, as vLLM and OpenAI's legacy completions do.
+    """
+    lp, top = logprobs_of(llm, last_logits(llm), tok, top_n)
+    piece = llm.detokenize([tok], special=True).decode("utf-8", "replace")
+    return TokenEvent(text="", token=tok, piece=piece, logprob=lp, top_logprobs=top, index=index)
 
 
 def logprobs_of(llm: llama_cpp.Llama, logits: np.ndarray, tok: int, top_n: int) -> tuple[float, dict[str, float] | None]:

@@ -130,3 +130,25 @@ def test_a_redis_outage_longer_than_redis_outage_s_is_an_error(tmp_path: Path) -
     server.stop()
     with pytest.raises(redis.ConnectionError):
         dispatcher.dispatch(JobSpec(tokens=[1, 2, 3], chain=[], chunk_size=4, model="m", enqueued_at=0.0))
+
+
+def test_a_prompt_cache_key_routes_to_one_worker_while_nobody_holds_the_prefix() -> None:
+    ads = [_ad(n, ["x"], busy=(n == "w2")) for n in ("w1", "w2", "w3", "w4")]
+    keyed = {choose(ads, ["k1"], {}, "shared", 0, route_key=f"key-{i}", key_max_queue=8).worker for i in range(40)}
+    assert keyed == {"w1", "w2", "w3", "w4"}  # keys spread over the workers, busy or not
+    route = choose(ads, ["k1"], {}, "shared", 0, route_key="key-7", key_max_queue=8)
+    assert route.reason == "cache_key" and route.queue == f"kvpool:worker:{route.worker}"
+    assert (
+        choose(list(reversed(ads)), ["k1"], {}, "shared", 0, route_key="key-7", key_max_queue=8) == route
+    )  # whatever the order of the adverts
+    rest = [a for a in ads if a.worker != "w3"]
+    for i in range(40):  # a worker leaving moves only the keys it had
+        before, after = (choose(x, ["k1"], {}, "shared", 0, route_key=f"key-{i}", key_max_queue=8).worker for x in (ads, rest))
+        assert after == before or before == "w3"
+    assert choose(ads, ["k1"], {route.worker: 9}, "shared", 0, route_key="key-7", key_max_queue=8).reason == "cache_key_busy"
+    assert choose(ads, ["k1"], {}, "shared", 0).reason == "no_holder"
+
+
+def test_a_holder_wins_over_the_prompt_cache_key() -> None:
+    route = choose([_ad("w1", []), _ad("w2", ["k1"])], ["k1", "k2"], {}, "shared", 0, route_key="any-key", key_max_queue=8)
+    assert (route.reason, route.worker) == ("locality", "w2")

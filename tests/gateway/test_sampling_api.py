@@ -82,7 +82,7 @@ def test_tokenize_and_detokenize_use_the_pools_exact_tokenizer(smol_pool, smollm
     assert b"".join(bytes(b) for b in broken) == " 😀".encode()  # the emoji spans two tokens, neither valid alone
 
     back = httpx.post(url + "/detokenize", json={"tokens": ids}).json()
-    assert back == {"content": text}
+    assert back == {"content": text, "prompt": text}  # llama-server's field and vLLM's
 
     # Counting against the tokenizer gives the prompt tokens the API reports.
     client = openai_client(smol_pool)
