@@ -33,6 +33,7 @@ from gateway.files import Files
 from gateway.middleware import BodyLimit, CountRequests
 from gateway.prepare import Prepared, Preparer
 from gateway.relay import RelayContext
+from gateway.responses_api.routes import responses_router
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant, Tenants
@@ -189,6 +190,7 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
     _add_models_route(app, gw, tenant_of)
     _add_health_routes(app, gw, settings)
     app.include_router(tokens_router)
+    app.include_router(responses_router(gw, tenant_of, _ClosingStream))
     if settings.batch_api:
         app.include_router(batch_router(settings, Files(lambda: open_backend(settings)), Batches(gw.redis), tenant_of))
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, paths={"/v1/files": settings.max_file_bytes})

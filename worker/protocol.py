@@ -41,6 +41,12 @@ TENANT_BATCHES_PREFIX = "kvpool:batches:"
 """``kvpool:batches:<tenant>``: sorted set of a tenant's batch ids by creation time."""
 ACTIVE_BATCHES_KEY = "kvpool:batches-active"
 """Sorted set of the batches not finished yet, by creation time: what gateways pick up and run."""
+RESPONSE_PREFIX = "kvpool:response:"
+"""``kvpool:response:<tenant>:<id>``: hash, a stored Responses API response: the object, its input items, its
+prompt and answer token ids, its render key (`gateway.responses_api.state`); expiring."""
+TENANT_RESPONSES_PREFIX = "kvpool:responses:"
+"""``kvpool:responses:<tenant>``: sorted set of a tenant's stored response ids by creation time; ``<tenant>:bytes``:
+hash of their sizes (field ``""``: the total), for the tenant's byte budget."""
 LEASE_PREFIX = "kvpool:lease:"
 """``kvpool:lease:<chunk key hex>``: string, the name of the worker evaluating that chunk, expiring (`worker.leases`)."""
 
