@@ -31,8 +31,10 @@ from gateway.batch.service import BatchService
 from gateway.errors import APIError, internal_error, to_api_error
 from gateway.idempotency import submit_once
 from gateway.middleware import BodyLimit, CountRequests
+from gateway.responses_api.routes import responses_router
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
+from gateway.sse import EventStream
 from gateway.state import Gateway
 from gateway.tenants import Tenant
 from gateway.tokens_api import router as tokens_router
@@ -102,6 +104,7 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
     _add_health_routes(app, gw, settings)
     app.include_router(tokens_router)
     app.include_router(messages_router(gw))
+    app.include_router(responses_router(gw, tenant_of, EventStream))
     if settings.batch_api:
         app.include_router(batch_router(settings, Files(lambda: open_backend(settings)), Batches(gw.redis), tenant_of))
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, paths={"/v1/files": settings.max_file_bytes}, shapes=ERROR_SHAPES)

@@ -61,6 +61,12 @@ class GatewaySettings(PoolSettings):
         60.0, gt=0, description="Seconds a running batch waits with no live worker before pausing (it is resumed later)."
     )
     max_tokens_default: int = Field(256, ge=1, description="max_tokens when a chat request does not say.")
+    responses_ttl_s: int = Field(
+        30 * 24 * 3600, ge=1, description="How long a stored Responses API response (its items and token ids) is kept, seconds."
+    )
+    responses_max_bytes: int = Field(
+        256 << 20, ge=1024, description="Bytes of stored Responses API responses kept per tenant; the oldest are dropped beyond it."
+    )
 
     def idempotency_window_s(self) -> float:
         """How long an Idempotency-Key's record lives: set, or as long as a job's stream can outlive its first attempt."""

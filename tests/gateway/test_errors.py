@@ -390,6 +390,9 @@ def test_fuzzed_requests_never_get_a_server_error(one_worker) -> None:
         "/v1/batches/{batch_id}/cancel",
         "/v1/messages",
         "/v1/messages/count_tokens",
+        "/v1/responses",
+        "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/input_items",
     }
     seen: dict[int, int] = {}
     for op in operations:

@@ -52,6 +52,7 @@ def test_every_api_accepts_a_prompt_cache_key(start_worker, start_gateway) -> No
     chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, prompt_cache_key="k", temperature=0
     )
-    assert chat.choices[0].message.content is not None
+    response = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, prompt_cache_key="k", temperature=0)
+    assert chat.choices[0].message.content is not None and response.prompt_cache_key == "k"
     too_long = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "prompt_cache_key": "k" * 2000})
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt_cache_key"
