@@ -244,19 +244,22 @@ def test_input_items_list_the_whole_conversation_with_cursors(pool) -> None:
 
 
 def test_the_agents_sdk_runs_an_agent_with_a_tool_against_kvpool(pool) -> None:
-    """The OpenAI Agents SDK's basic agent with a function tool, configured only by environment variables, as for OpenAI.
+    """The OpenAI Agents SDK's basic agent with a function tool, pointed at kvpool by environment variables alone.
 
-    The SDK lowercases its default model name, so this gateway serves the model under a lowercase name.
+    The SDK lowercases its default model name, so this gateway serves the model under a
+    lowercase name. Beside the SDK's example, the agent samples at temperature 0: at the
+    SDK's default of 1, SmolLM2 now and then rambles to the end of its context.
     """
     gateway = pool.gateway_named("smollm2-135m-instruct")
     program = (
-        "from agents import Agent, Runner, function_tool\n"
+        "from agents import Agent, ModelSettings, Runner, function_tool\n"
         "@function_tool\n"
         "def get_weather(city: str) -> str:\n"
         "    '''The weather in a city.'''\n"
         "    print('[tool] get_weather', city)\n"
         "    return f'The weather in {city} is sunny, 14-20C.'\n"
-        "agent = Agent(name='Hello world', instructions='You are a helpful agent.', tools=[get_weather])\n"
+        "agent = Agent(name='Hello world', instructions='You are a helpful agent.', tools=[get_weather],\n"
+        "              model_settings=ModelSettings(temperature=0))\n"
         'result = Runner.run_sync(agent, input="What\'s the weather in Tokyo?")\n'
         "print('[final]', result.final_output)\n"
     )
