@@ -38,7 +38,7 @@ def test_the_gateway_reads_the_pool_settings_not_the_workers() -> None:
     """What gateway and workers must agree on is one class both extend; llama.cpp's options are the worker's alone."""
     assert issubclass(GatewaySettings, PoolSettings) and issubclass(WorkerSettings, PoolSettings)
     assert not issubclass(GatewaySettings, WorkerSettings)
-    shared = {"model", "model_sha256", "model_cache", "chunk_size", "n_ctx", "queue", "job_attempts", "job_timeout_s"}
+    shared = {"model", "model_sha256", "model_cache", "chunk_size", "n_ctx", "queue", "job_attempts", "job_timeout_s", "stream_ttl_s"}
     assert set(PoolSettings.model_fields) - set(StoreSettings.model_fields) == shared
     assert not {"n_batch", "n_threads", "type_k", "flash_attn", "heartbeat_s", "lease_s"} & set(GatewaySettings.model_fields)
 
