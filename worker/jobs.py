@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,9 @@ STREAM_BACKOFF_CAP_S = 0.5
 """The longest wait between two tries at writing events while Redis is away: the tokens wait for it once Redis is back."""
 
 _engine: Engine | None = None
+
+STOPPING = threading.Event()
+"""Set when the worker process is asked to stop: a job's stream no longer waits for an unreachable Redis (nothing it writes could be read)."""
 
 
 def set_engine(engine: Engine | None) -> None:
@@ -80,7 +84,7 @@ class JobStream:
             pipe.exists(self.cancel)
             return pipe.execute()
 
-        self._cancelled = bool(ride_out(write, outage_s, what="job_stream", cap_s=STREAM_BACKOFF_CAP_S)[-1])
+        self._cancelled = bool(ride_out(write, outage_s, what="job_stream", cap_s=STREAM_BACKOFF_CAP_S, give_up=STOPPING.is_set)[-1])
         self._held.clear()
         return not self._cancelled
 

@@ -76,6 +76,7 @@ class KvpoolWorker(SimpleWorker):
 
     def request_stop(self, signum, frame):  # type: ignore[no-untyped-def]
         self.stopping = True
+        jobs.STOPPING.set()
         if self.health is not None:
             self.health.stopping()
         if self.waiting:  # Redis is away: no job runs and nothing can be handed back, so the wait ends now

@@ -48,12 +48,20 @@ def outage_retry(outage_s: float, *, first_s: float = 0.1, cap_s: float = 1.0) -
     return Retry(waits, retries_within(outage_s, waits), supported_errors=RETRIED)
 
 
-def ride_out(call: Callable[[], T], outage_s: float, *, what: str, first_s: float = 0.1, cap_s: float = 1.0) -> T:
-    """Run ``call``, retried while Redis is unreachable for up to ``outage_s``; logs each failure as ``redis.unavailable``."""
+def ride_out(
+    call: Callable[[], T],
+    outage_s: float,
+    *,
+    what: str,
+    first_s: float = 0.1,
+    cap_s: float = 1.0,
+    give_up: Callable[[], bool] = lambda: False,
+) -> T:
+    """Run ``call``, retried while Redis is unreachable for up to ``outage_s`` (or until ``give_up()``); logs each failure as ``redis.unavailable``."""
     deadline = time.monotonic() + outage_s
 
     def failed(e: Exception) -> None:
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline or give_up():
             raise e
         log.warning("redis.unavailable", extra={"during": what, "reason": f"{type(e).__name__}: {e}"})
 
