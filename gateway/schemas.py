@@ -36,7 +36,9 @@ def _lone_surrogate(value: Any, path: str) -> str | None:
     return None
 
 
-class _Common(BaseModel):
+class RequestBody(BaseModel):
+    """A request body of any of the APIs: strict types, unknown fields ignored, every string valid Unicode."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="before")
@@ -46,6 +48,8 @@ class _Common(BaseModel):
             raise ValueError(f"{where} holds a lone UTF-16 surrogate, which is not valid Unicode text")
         return data
 
+
+class _Common(RequestBody):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.schemas import FUNCTION_NAME, MAX_TOOLS, _lone_surrogate
+from gateway.schemas import FUNCTION_NAME, MAX_TOOLS, RequestBody
 
 TTL_S = {"5m": 300, "1h": 3600}
 MAX_CACHE_CONTROLS = 4
@@ -145,15 +145,8 @@ class OutputConfig(_Strict):
     format: OutputFormat | None = None
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(RequestBody):
     """``POST /v1/messages/count_tokens``: what the prompt of a message request would be."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        if (where := _lone_surrogate(data, "")) is not None:
-            raise ValueError(f"{where} holds a lone UTF-16 surrogate, which is not valid Unicode text")
-        return data
 
     model: str
     messages: list[InputMessage] = Field(min_length=1)

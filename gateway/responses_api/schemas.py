@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.errors import InvalidRequest
-from gateway.schemas import FUNCTION_NAME, MAX_TOOLS, _lone_surrogate
+from gateway.schemas import FUNCTION_NAME, MAX_TOOLS, RequestBody
 
 MAX_ITEMS = 2048
 """Most input items one request may carry."""
@@ -41,17 +41,8 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
-class ResponseCreate(BaseModel):
+class ResponseCreate(RequestBody):
     """``POST /v1/responses``: what kvpool reads; other fields of OpenAI's are ignored or refused (`refused`)."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        if (where := _lone_surrogate(data, "")) is not None:
-            raise ValueError(f"{where} holds a lone UTF-16 surrogate, which is not valid Unicode text")
-        return data
 
     model: str
     input: str | list[dict[str, Any]]
