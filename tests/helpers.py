@@ -23,6 +23,7 @@ from store.fingerprint import fingerprint_file
 from store.settings import StoreSettings
 from store.store import Store
 from worker.client import events, submit
+from worker.decoding import DecodeMode, choose_mode, decode_step
 from worker.llama_state import evaluate_prompt
 from worker.protocol import DoneEvent, ErrorEvent, JobResult, JobSpec, SamplingParams, StartEvent, TokenEvent, job_spec, worker_queue
 from worker.settings import WorkerSettings
@@ -66,13 +67,31 @@ def env_for_pool(redis_url: str, s: StoreSettings, model: Path, chunk_size: int)
 
 def cold_greedy(llm: llama_cpp.Llama, tokens: list[int], n: int) -> list[int]:
     """Greedy continuation of ``tokens`` evaluated from scratch, stopping at end-of-generation like the worker."""
+    return cold_generate(llm, tokens, n, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0)
+
+
+_DECODE_MODES: dict[int, DecodeMode] = {}
+
+
+def cold_generate(llm: llama_cpp.Llama, tokens: list[int], n: int, **sampling: float) -> list[int]:
+    """What a worker answers: the prompt evaluated from scratch in the worker's batches, then each token sampled by
+    llama-cpp-python's sampler chain (``sampling`` as `Llama.generate` takes it) and decoded so that its cells are a
+    cold evaluation's, as the worker does (`worker.decoding`); stops at end-of-generation or ``n`` tokens."""
+    mode = _DECODE_MODES.get(id(llm))
+    if mode is None:
+        mode = _DECODE_MODES[id(llm)] = choose_mode(llm, "auto")[0]
     llm.reset()
-    evaluate_prompt(llm, tokens, 0)  # in the worker's batches, so the last one never holds a lone token
+    evaluate_prompt(llm, tokens, 0)  # so the last batch never holds a lone token
+    llm._sampler = llm._init_sampler(**sampling)
     out: list[int] = []
-    for tok in llm.generate(tokens, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, reset=True):
-        if llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok) or len(out) >= n:
+    while len(out) < n:
+        tok = llm.sample(idx=None)
+        if llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok):
             break
         out.append(tok)
+        if len(out) < n:
+            decode_step(llm, tok, mode)
+    llm._sampler = None
     llm.reset()
     return out
 

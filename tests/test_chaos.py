@@ -49,8 +49,7 @@ from gateway.tenants import Tenants
 from store.blob import BlobName
 from store.index import RedisIndex
 from store.maintenance import UNKNOWN_KERNELS, bytes_by_kernels
-from tests.helpers import env_for_pool, s3_settings
-from worker.llama_state import evaluate_prompt, is_end_of_generation
+from tests.helpers import cold_generate, env_for_pool, s3_settings
 
 CLIENTS = 4
 MAX_TOKENS = 12
@@ -128,13 +127,7 @@ def _references(model: Path, settings: GatewaySettings, bodies: list[dict]) -> l
     out = []
     for body in bodies:
         tokens = preparer.chat(ChatCompletionRequest.model_validate(body), tenant).spec.tokens
-        llm.reset()
-        evaluate_prompt(llm, tokens, 0)
-        generated: list[int] = []
-        for tok in llm.generate(tokens, temp=0.0, reset=True):
-            if is_end_of_generation(llm, tok) or len(generated) >= MAX_TOKENS:
-                break
-            generated.append(tok)
+        generated = cold_generate(llm, tokens, MAX_TOKENS, temp=0.0)
         out.append(llm.detokenize(generated).decode("utf-8", "replace"))
     llm.close()
     return out

@@ -55,6 +55,8 @@ class Advert:
     """Publish tasks not finished yet: 0 on an idle worker once everything it evaluated is in the store."""
     kernels: str = ""
     """The worker's kernel fingerprint, canonical (its digest, or ``any``, is in ``layout``)."""
+    decode: str = ""
+    """How the worker decodes generated tokens (`worker.decoding.DecodeMode`): ``settle`` when not exactly."""
 
     def serves(self, model: str, chunk_size: int) -> bool:
         """Whether this worker can run a job of this model and chunk size."""
@@ -78,6 +80,7 @@ class Serving:
     chunk_size: int
     layout: str
     kernels: str = ""
+    decode: str = ""
 
 
 def advertise(
@@ -93,7 +96,9 @@ def advertise(
 ) -> None:
     doc: dict[str, object] = {"keys": [k.hex() for k in keys], "busy": busy, "pid": pid, "host": host, "pending": pending}
     if serving is not None:
-        doc.update(model=serving.model, chunk_size=serving.chunk_size, layout=serving.layout, kernels=serving.kernels)
+        doc.update(
+            model=serving.model, chunk_size=serving.chunk_size, layout=serving.layout, kernels=serving.kernels, decode=serving.decode
+        )
     conn.eval(_WRITE, 1, ADVERTS_KEY, worker, json.dumps(doc))
 
 
@@ -134,6 +139,7 @@ def _advert(name: str, doc: dict[str, Any]) -> Advert:
         str(doc.get("layout", "")),
         int(doc.get("pending", 0)),
         str(doc.get("kernels", "")),
+        str(doc.get("decode", "")),
     )
 
 

@@ -8,20 +8,22 @@ Order of work for a job (`Engine.run`):
 3. If the store holds a deeper prefix, fetch the missing chunks in parallel, verify
    them, join them with the chunks cut from the local context, and restore.
 4. Evaluate the rest, always at least the last two prompt tokens and never a one-token
-   last batch (`worker.llama_state.batch_sizes`), then generate, streaming each token out.
+   last batch (`worker.llama_state.batch_sizes`), then generate, streaming each token out
+   and decoding it exactly where the build allows (`worker.decoding`).
 5. Once the first token is out, hand the prompt's full chunks the store lacks to the
-   background publisher. Once the answer is out and the worker idles (`Engine.settle`),
-   evaluate the completion as prompt and publish prompt plus completion: the next turn
-   of a chat, which resends the whole history, is then a hit for any worker.
+   background publisher; once the answer is out (`Engine.after_answer`), publish prompt
+   plus answer, whose cells are then a cold evaluation's: the next turn of a chat, which
+   resends the whole history, resumes after the answer on any worker. Where decoding is
+   not exact, the completion is evaluated again as prompt once the worker idles
+   (`Engine.settle`) and published then.
 
 The answer does not depend on what was reused. For a given prompt, model and KV layout,
 the first sampled token's logits are the same bits whether the prefix came from this
 context, from the store or from a cold evaluation, and whatever the prompt's length:
 llama.cpp's CPU kernels give the same bits for any split into batches of two or more
-tokens. One-token batches use other kernels, so the cells of generated tokens are never
-reused or published as they are: `Engine.settle` evaluates them again first. The
-start-up self-check reports whether a layout keeps this promise (f16 with flash
-attention picks llama.cpp's tiled kernel by batch size, and does not).
+tokens. The start-up self-check reports whether a layout keeps this promise (f16 with
+flash attention picks llama.cpp's tiled kernel by batch size, and does not), and
+`worker.decoding.choose_mode` whether generated tokens can be decoded exactly.
 
 The store never fails a job: an unreachable store means a cold evaluation, a bad blob
 ends the usable prefix where it starts, and publish errors are logged and counted.
@@ -40,12 +42,12 @@ from store.chain import Namespace, prefix_namespace
 from store.fingerprint import fingerprint_file
 from store.store import Store
 from worker import metrics
+from worker.decoding import DecodeMode, choose_mode, complete_answer, decode_step
 from worker.errors import JobRejected
 from worker.leases import EvalRate, Leases
 from worker.llama_state import (
     CACHE_TYPE_NAMES,
     ContextCache,
-    batch_sizes,
     context_cache,
     evaluate_prompt,
     open_llama,
@@ -58,11 +60,9 @@ from worker.publisher import Publisher
 from worker.sampling import Output, sample_choices
 from worker.scoring import score_prompt
 from worker.settings import WorkerSettings
+from worker.settle import settle
 
 log = logging.getLogger("kvpool.worker")
-
-SETTLE_BATCH = 32
-"""Tokens per settle batch: the longest a job that arrives meanwhile waits."""
 
 Emit = Callable[[TokenEvent], bool]
 """Sends one token event; returns False when the job was cancelled."""
@@ -115,6 +115,10 @@ class Engine(PrefixFinder):
             log.log(level, "restore.selfcheck", extra={"ok": check.ok, "exact": check.exact, "detail": check.detail})
         else:
             self.restore_enabled = True
+        self.decode, why = (
+            choose_mode(self.llm, settings.exact_decode) if self.kv.prefix_reuse else (DecodeMode.SETTLE, str(self.kv.reason))
+        )
+        log.log(logging.INFO if self.decode.exact else logging.WARNING, "decode.mode", extra={"mode": str(self.decode), "detail": why})
         metrics.RESTORE_ENABLED.labels(**self.labels).set(int(self.restore_enabled))
         metrics.EXACT.labels(**self.labels).set(int(self.exact))
         metrics.INFO.info({**self.labels, **self.identity(), "restore": str(self.restore_enabled).lower(), "worker": name})
@@ -128,7 +132,11 @@ class Engine(PrefixFinder):
 
     def identity(self) -> dict[str, str]:
         """What decides this worker's bits, for /readyz and ``kvpool_worker_info``."""
-        return {"kernels": self.kernels.canonical(), "share_across_kernels": str(self.settings.share_across_kernels).lower()}
+        return {
+            "kernels": self.kernels.canonical(),
+            "share_across_kernels": str(self.settings.share_across_kernels).lower(),
+            "decode": str(self.decode),
+        }
 
     def namespace(self, tenant_salt: str) -> Namespace:
         """Where this worker's blobs live: the chain rooted in its KV layout."""
@@ -180,12 +188,15 @@ class Engine(PrefixFinder):
             self.context_tenant, self.exact_upto = spec.tenant_salt, len(tokens)
             outs = self._generate(spec, emit, lambda: self._publish_or_defer(spec, ns, tokens, plan))
             out = outs[0]
+            if self.decode.exact:  # the context holds the last choice's cells, each what a cold evaluation holds
+                self.exact_upto = self.llm.n_tokens
             self._publish(ns, tokens, plan, spec.breakpoints)
         finally:
             self._handoff(plan)()
         if spec.wait_for_publish and self.publisher is not None:
             self.publisher.wait_idle()
-        self._pending = (ns, tokens, out.tokens) if out.finish != "cancelled" else None
+        last = outs[-1] if self.decode.exact else out
+        self._pending = (ns, tokens, last.tokens) if last.finish != "cancelled" else None
         t_first = out.t_first or time.perf_counter()
         t_end = time.perf_counter()
         n_generated = sum(len(o.tokens) for o in outs)
@@ -227,7 +238,10 @@ class Engine(PrefixFinder):
 
     def _generate(self, spec: JobSpec, emit: Emit, after_first: Callable[[], None]) -> list[Output]:
         """Sample the job's choices from the evaluated prompt, streaming each token; ``after_first`` runs once the first is out."""
-        return sample_choices(self.llm, spec, emit, after_first, self.settings.n_ctx, lambda: self._rewind(spec.tokens))
+        return sample_choices(self.llm, spec, emit, after_first, self.settings.n_ctx, lambda: self._rewind(spec.tokens), self._step)
+
+    def _step(self, token: int) -> None:
+        decode_step(self.llm, token, self.decode)
 
     def _rewind(self, tokens: list[int]) -> None:
         """Back to the end of the prompt for another choice: its last two tokens evaluated again, as one batch."""
@@ -276,36 +290,23 @@ class Engine(PrefixFinder):
             raise JobRejected(f"token ids must lie in [0, {n_vocab})")
 
     def settle(self, job_waiting: Callable[[], bool]) -> None:
-        """Once the answer is out and the worker idles: evaluate the completion as prompt.
-
-        Generated tokens were decoded one at a time, so their cells are not what a cold
-        evaluation of the next turn's prompt would hold. Evaluated again in prompt batches,
-        they serve the next turn of the chat exactly, from this context and, published,
-        from any worker. It is idle-time work: it starts only after the worker has had no
-        job waiting for ``settle_idle_s``, and it stops between batches as soon as one
-        arrives (that job evaluates whatever it needs itself).
-        """
+        """Without exact decoding: once the answer is out and the worker idles, evaluate the completion as prompt
+        (`worker.settle`) and publish prompt plus completion."""
         pending, self._pending = self._pending, None
-        if pending is None or not self.settings.settle_completions or not self.kv.prefix_reuse:
+        if pending is None or self.decode.exact or not self.settings.settle_completions or not self.kv.prefix_reuse:
             return
         ns, tokens, generated = pending
-        held = tokens + generated
-        if not generated or len(held) > self.settings.n_ctx or not _idle_for(self.settings.settle_idle_s, job_waiting):
-            return
-        pos = min(len(tokens), len(held) - 2)
         try:
-            for size in batch_sizes(len(held) - pos, SETTLE_BATCH):
-                if pos > len(tokens) and job_waiting():
-                    break
-                evaluate_prompt(self.llm, held[: pos + size], pos)
-                pos += size
+            for pos in settle(
+                self.llm, tokens, generated, n_ctx=self.settings.n_ctx, idle_s=self.settings.settle_idle_s, job_waiting=job_waiting
+            ):
                 self.exact_upto = pos
         except Exception:  # the answer is already out: never fail the job for this
             log.exception("settle.failed")
             self.forget_context()
             return
-        if pos == len(held):
-            self._publish(ns, held, Plan())
+        if self.exact_upto == len(tokens) + len(generated):
+            self._publish(ns, tokens + generated, Plan())
 
     # -- publishing -------------------------------------------------------------
 
@@ -316,9 +317,8 @@ class Engine(PrefixFinder):
         resume at this prompt's last token, and the prefix up to each breakpoint, which it
         then pins. Called just after the first token is out when the store lacks a full chunk
         or the job has breakpoints (`_publish_or_defer`), or at the end when no token came
-        (an answer cut short still publishes). Only the prompt is
-        published: the cells of generated tokens come from one-token batches, so they are
-        not what a cold evaluation would hold (`settle` publishes them once re-evaluated).
+        (an answer cut short still publishes). Only the prompt: the answer follows in
+        `after_answer` (exact decoding) or `settle`.
         """
         if plan.published or self.publisher is None or not self.restore_enabled:
             return
@@ -351,17 +351,36 @@ class Engine(PrefixFinder):
             self._deferred = (ns, tokens)
 
     def after_answer(self) -> None:
-        """Once the job's last event is out: publish the tail `_publish_or_defer` left.
+        """Once the job's last event is out: publish what the next request may resume from.
 
-        The context still holds the prompt's cells (generation only appends after them), and
-        only the prompt's cells are cut from the copy.
+        With exact decoding that is prompt plus answer (`_complete_answer`): the next turn of
+        a chat resumes after the answer on any worker. Otherwise it is the prompt's tail that
+        `_publish_or_defer` left; the context still holds the prompt's cells (generation only
+        appends after them), and only the prompt's cells are cut from the copy.
         """
         deferred, self._deferred = self._deferred, None
+        if self.decode.exact and self._pending is not None:
+            (ns, tokens, generated), self._pending = self._pending, None
+            held = self._complete_answer(tokens, generated)
+            if held is not None:
+                deferred = (ns, held) if self.restore_enabled else None
         if deferred is None or self.publisher is None:
             return
         state = self._snapshot()
         if state is not None:
             self.publisher.submit(*deferred, state)
+
+    def _complete_answer(self, tokens: list[int], generated: list[int]) -> list[int] | None:
+        """Prompt plus answer once the context holds both exactly (`worker.decoding.complete_answer`), else None."""
+        try:
+            held = complete_answer(self.llm, tokens, generated, self.decode, self.settings.n_ctx)
+        except Exception:  # the answer is already out: never fail the job for this
+            log.exception("answer.decode_failed")
+            self.forget_context()
+            return None
+        if held is not None:
+            self.exact_upto = len(held)
+        return held
 
     def _snapshot(self) -> bytearray | None:
         """A copy of the sequence state for publishing, or None: publishing never fails a job."""
@@ -379,13 +398,3 @@ class Engine(PrefixFinder):
         if claim is None or leases is None:
             return lambda: None
         return lambda: leases.release(claim)
-
-
-def _idle_for(seconds: float, job_waiting: Callable[[], bool]) -> bool:
-    """True once ``seconds`` pass with no job waiting; False as soon as one is."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if job_waiting():
-            return False
-        time.sleep(0.01)
-    return not job_waiting()

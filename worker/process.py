@@ -96,7 +96,7 @@ class KvpoolWorker(SimpleWorker):
             return
         try:
             e = self.engine
-            serving = Serving(e.fingerprint, e.settings.chunk_size, e.layout.canonical(), e.kernels.canonical())
+            serving = Serving(e.fingerprint, e.settings.chunk_size, e.layout.canonical(), e.kernels.canonical(), str(e.decode))
             pending = e.publisher.pending if e.publisher else 0
             advertise(
                 self.connection, self.name, e.held_keys(), busy, pid=os.getpid(), host=self.hostname or "", serving=serving, pending=pending

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import llama_cpp
@@ -28,6 +28,8 @@ Emit = Callable[[TokenEvent], bool]
 """Sends one token event; returns False when the job was cancelled."""
 Rewind = Callable[[], None]
 """Brings the context back to the evaluated prompt, its last token's logits fresh."""
+Step = Callable[[int], None]
+"""Decodes one sampled token after the context's cells (`worker.decoding.decode_step`)."""
 
 
 @dataclass
@@ -44,7 +46,7 @@ class Output:
 
 
 def sample_choices(
-    llm: llama_cpp.Llama, spec: JobSpec, emit: Emit, after_first: Callable[[], None], n_ctx: int, rewind: Rewind
+    llm: llama_cpp.Llama, spec: JobSpec, emit: Emit, after_first: Callable[[], None], n_ctx: int, rewind: Rewind, step: Step
 ) -> list[Output]:
     """The job's ``n`` choices, one after the other; a cancelled choice ends the job."""
     outs: list[Output] = []
@@ -52,7 +54,7 @@ def sample_choices(
     for i in range(spec.sampling.n):
         if i:
             rewind()
-        out = _one(llm, spec, emit, after_first if i == 0 else _nothing, n_ctx, i, grammar)
+        out = _one(llm, spec, emit, after_first if i == 0 else _nothing, n_ctx, i, grammar, step)
         outs.append(out)
         if out.finish == "cancelled":
             break
@@ -75,6 +77,7 @@ def _one(
     n_ctx: int,
     index: int,
     grammar: llama_cpp.LlamaGrammar | None,
+    step: Step,
 ) -> Output:
     """Sample one choice, streaming each token; ``after_first`` runs once its first token is out."""
     s = spec.sampling
@@ -82,19 +85,7 @@ def _one(
     llm.set_seed(_seed(s, index))
     stream = TextStream(llm, s.stop)
     budget = min(s.max_tokens, n_ctx - len(spec.tokens))
-    gen = llm.generate(
-        spec.tokens,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        min_p=s.min_p,
-        temp=s.temperature,
-        repeat_penalty=s.repeat_penalty,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        logits_processor=_bias(s.logit_bias) if s.logit_bias else None,
-        grammar=grammar,
-        reset=True,
-    )
+    gen = _sampled(llm, s, grammar, step)
     try:
         for tok in gen if budget > 0 else ():
             first = out.t_first is None
@@ -120,6 +111,33 @@ def _one(
         emit(TokenEvent(text=tail, token=-1, index=index))
     out.text, out.stop_sequence = stream.text, stream.matched
     return out
+
+
+def _sampled(llm: llama_cpp.Llama, s: SamplingParams, grammar: llama_cpp.LlamaGrammar | None, step: Step) -> Iterator[int]:
+    """Tokens sampled one after the other from the evaluated prompt, each decoded by ``step`` before the next is sampled.
+
+    The sampler chain is llama-cpp-python's (`Llama.generate` builds the same one); the
+    decoding is ours, so that the engine decides how each token's cells are computed. A
+    token whose successor is never asked for is never decoded.
+    """
+    llm._sampler = llm._init_sampler(
+        top_k=s.top_k,
+        top_p=s.top_p,
+        min_p=s.min_p,
+        temp=s.temperature,
+        repeat_penalty=s.repeat_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logits_processor=_bias(s.logit_bias) if s.logit_bias else None,
+        grammar=grammar,
+    )
+    try:
+        while True:
+            token = llm.sample(idx=None)  # the last decoded token's logits, through the chain set above
+            yield token
+            step(token)
+    finally:
+        llm._sampler = None
 
 
 def token_event(llm: llama_cpp.Llama, tok: int, text: str, top_n: int | None, out: Output) -> TokenEvent:

@@ -10,6 +10,7 @@ publishing, leases, heartbeats.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -70,8 +71,16 @@ class WorkerSettings(PoolSettings):
         "still one chunk each (0: each at once). The first token is never held.",
     )
     publish: bool = Field(True, description="Publish newly evaluated chunks to the store.")
+    exact_decode: Literal["auto", "single", "pair", "off"] = Field(
+        "auto",
+        description="How generated tokens are decoded so that their cells are a cold evaluation's and the next chat turn "
+        "resumes to the token: auto (the cheapest mode the start-up check proves exact), single, pair (each token decoded "
+        "again with the next), off. A mode that fails its check falls back to settling (KVPOOL_SETTLE_COMPLETIONS).",
+    )
     settle_completions: bool = Field(
-        True, description="After each answer, evaluate the completion as prompt so the next chat turn is served from cache, exactly."
+        True,
+        description="Without exact decoding: after each answer, evaluate the completion as prompt so the next chat turn is "
+        "served from cache, exactly.",
     )
     settle_idle_s: float = Field(
         0.25,

@@ -9,8 +9,8 @@ the previous response's prompt tokens, then the tokens the model generated, then
 turn rendered *as a continuation*: the template renders a stand-in conversation whose
 last assistant message is a sentinel, and everything after the sentinel is the new turn
 (for ChatML: ``<|im_end|>\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n``).
-So the prefix is the very tokens the pool evaluated and published (the worker settles the
-answer's cells after it, `worker.engine.Engine.settle`), never a re-tokenization of the
+So the prefix is the very tokens the pool evaluated and published (the worker publishes the
+answer's cells with them once the answer is out, `worker.engine.Engine.after_answer`), never a re-tokenization of the
 answer's text that could differ from them. This holds while the previous response was
 made under the same *render key* (model, template, instructions, tools); when a follow-up
 changes its instructions or tools (instructions are not carried over, as in OpenAI's API),

@@ -11,8 +11,7 @@ import pytest
 
 from gateway.tokenizer import Tokenizer
 from tests.gateway.test_errors import assert_openai_error
-from tests.helpers import SMOL, openai_client
-from worker.llama_state import evaluate_prompt, is_end_of_generation
+from tests.helpers import SMOL, cold_generate, openai_client
 
 PROMPT = "Here is a list of fruits: apple, banana, cherry, apple, banana, cherry, apple, banana,"
 
@@ -23,16 +22,9 @@ def smol_llm(smollm2: Path) -> llama_cpp.Llama:
     return llama_cpp.Llama(str(smollm2), n_ctx=2048, n_threads=1, verbose=False, flash_attn=False)
 
 
-def cold_generate(llm: llama_cpp.Llama, tokens: list[int], n: int, **sampling: float) -> str:
+def cold_text(llm: llama_cpp.Llama, tokens: list[int], n: int, **sampling: float) -> str:
     """What a worker answers for ``tokens`` at temperature 0 with these penalties, evaluated from scratch."""
-    llm.reset()
-    evaluate_prompt(llm, tokens, 0)
-    out: list[int] = []
-    for tok in llm.generate(tokens, temp=0.0, top_k=40, top_p=1.0, min_p=0.05, repeat_penalty=1.0, reset=True, **sampling):
-        if is_end_of_generation(llm, tok) or len(out) >= n:
-            break
-        out.append(tok)
-    llm.reset()
+    out = cold_generate(llm, tokens, n, temp=0.0, top_k=40, top_p=1.0, min_p=0.05, repeat_penalty=1.0, **sampling)
     return llm.detokenize(out).decode("utf-8", "replace")
 
 
@@ -48,8 +40,8 @@ def test_presence_and_frequency_penalties_are_llama_cpps_and_curb_repetition(smo
     plain = complete()
     penalised = complete(frequency_penalty=1.5, presence_penalty=1.0)
     assert penalised != plain
-    assert penalised == cold_generate(smol_llm, tokens, 40, frequency_penalty=1.5, presence_penalty=1.0)
-    assert plain == cold_generate(smol_llm, tokens, 40)
+    assert penalised == cold_text(smol_llm, tokens, 40, frequency_penalty=1.5, presence_penalty=1.0)
+    assert plain == cold_text(smol_llm, tokens, 40)
 
     def most_repeated(text: str) -> int:
         return Counter(smol_llm.tokenize(text.encode(), add_bos=False)).most_common(1)[0][1]

@@ -143,7 +143,7 @@ def test_a_resent_prompt_is_answered_alike(runners: dict[str, Runner], document:
 
 
 def test_the_next_turn_resumes_after_the_completion_with_the_same_bits(runners: dict[str, Runner], document: list[int]) -> None:
-    """Generated tokens were decoded one at a time; settled as prompt, they serve the next turn exactly, on any worker."""
+    """Generated tokens were decoded exactly (`worker.decoding`); published with the prompt, they serve the next turn, on any worker."""
     reuse, restore = runners["reuse"], runners["restore"]
     first = reuse.ask(document[:300])
     turn = document[:300] + first.tokens + document[300:340]
@@ -182,14 +182,6 @@ def test_a_second_question_on_another_worker_resumes_where_the_prompts_part(
 
 def _shared(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def test_settling_is_idle_time_work_that_yields_to_a_waiting_job(runners: dict[str, Runner], document: list[int]) -> None:
-    reuse = runners["reuse"]
-    reuse.ask(document[:200], job_waiting=lambda: True)
-    assert reuse.engine.exact_upto == 200, "a job was waiting: the completion stays unsettled"
-    first = reuse.ask(document[:200])
-    assert reuse.engine.exact_upto == 200 + len(first.tokens)
 
 
 @pytest.mark.parametrize(

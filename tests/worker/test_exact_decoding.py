@@ -1,0 +1,142 @@
+"""Generated tokens are decoded so that their cells are a cold evaluation's, and the next turn resumes to the token.
+
+A prompt is evaluated in batches of two or more tokens, which llama.cpp's CPU kernels
+compute the same whatever the split. A token decoded alone may take other kernels (the
+default build's sgemm refuses single rows). At start-up the worker measures which way of
+decoding keeps the cold bits on its build (`worker.decoding.choose_mode`): one token per
+step, or each token decoded again together with the next (a two-token batch). Where
+neither does, it says so and settles completions as before.
+
+On the real model (SmolLM2-135M-Instruct, f16 KV layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from tests.helpers import prompt_text
+from worker.decoding import DecodeMode, choose_mode, decoded_logits
+from worker.engine import Engine
+from worker.kvchunks import cut_cells
+from worker.llama_state import evaluate_prompt, last_logits, open_llama, read_seq_state
+from worker.protocol import SamplingParams, TokenEvent, job_spec
+from worker.settings import WorkerSettings
+
+pytestmark = pytest.mark.fp_path
+
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2: Path) -> Iterator[llama_cpp.Llama]:
+    made = open_llama(smollm2, flash_attn=False, n_ctx=1024, n_threads=2, n_threads_batch=2)
+    yield made
+    made.close()
+
+
+def _random(llm: llama_cpp.Llama, n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, llm.n_vocab(), n)]
+
+
+def _exact(llm: llama_cpp.Llama, mode: DecodeMode, prompt: list[int], answer: list[int]) -> bool:
+    return bool(np.array_equal(decoded_logits(llm, prompt, answer, mode), decoded_logits(llm, prompt, answer, None)))
+
+
+def test_the_start_up_check_picks_the_cheapest_mode_that_keeps_the_cold_bits(llm: llama_cpp.Llama) -> None:
+    mode, why = choose_mode(llm, "auto")
+    prompt, answer = _random(llm, 90, seed=7), _random(llm, 12, seed=8)  # other tokens than the check's own
+    assert mode.exact, why
+    assert _exact(llm, mode, prompt, answer), f"{mode} was chosen but its logits differ from a cold evaluation's"
+    single_exact = _exact(llm, DecodeMode.SINGLE, prompt, answer)
+    assert mode is (DecodeMode.SINGLE if single_exact else DecodeMode.PAIR), why
+
+
+def test_a_mode_that_is_not_exact_on_this_build_falls_back_to_settling(llm: llama_cpp.Llama) -> None:
+    prompt, answer = _random(llm, 90, seed=7), _random(llm, 12, seed=8)
+    inexact = [m for m in (DecodeMode.SINGLE, DecodeMode.PAIR) if not _exact(llm, m, prompt, answer)]
+    if not inexact:
+        pytest.skip("both ways of decoding keep the cold bits with this build")
+    mode, why = choose_mode(llm, str(inexact[0]))
+    assert mode is DecodeMode.SETTLE and str(inexact[0]) in why
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2: Path) -> Iterator[dict[str, Engine]]:
+    base = {"chunk_size": CHUNK, "n_ctx": 2048, "n_threads": 2, "publish": False, "self_check": False, "settle_idle_s": 0.01}
+    made = {
+        "exact": Engine(WorkerSettings(**base), smollm2, store=None, name="exact"),
+        "settling": Engine(WorkerSettings(**base, exact_decode="off"), smollm2, store=None, name="settling"),
+    }
+    yield made
+    for e in made.values():
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def prompt(engines: dict[str, Engine]) -> list[int]:
+    return engines["exact"].llm.tokenize(prompt_text(300, seed=3).encode(), add_bos=True)[:300]
+
+
+def _ask(engine: Engine, tokens: list[int], max_tokens: int = 24) -> list[int]:
+    spec = job_spec(tokens, model=engine.fingerprint, chunk_size=CHUNK, sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    result = engine.run(spec, lambda _e: True)
+    engine.after_answer()  # as the worker does once the answer is out
+    return result.tokens
+
+
+def _cells(llm: llama_cpp.Llama, n: int) -> bytes:
+    """The first ``n`` cells of sequence 0, by position."""
+    return cut_cells(read_seq_state(llm), 0, n)
+
+
+def test_the_cells_of_an_answer_are_those_of_a_cold_evaluation_of_prompt_and_answer(engines: dict[str, Engine], prompt: list[int]) -> None:
+    engine = engines["exact"]
+    assert engine.identity()["decode"] in ("single", "pair")
+    answer = _ask(engine, prompt)
+    held = prompt + answer
+    assert len(answer) == 24 and engine.llm.n_tokens == len(held), "the answer's last token is decoded once the answer is out"
+    assert engine.exact_upto == len(held), "the next turn may reuse every cell"
+    decoded = _cells(engine.llm, len(held))
+    engine.forget_context()
+    evaluate_prompt(engine.llm, held, 0)
+    assert decoded == _cells(engine.llm, len(held)), "a decoded cell differs from the cold evaluation's"
+    engine.forget_context()
+
+
+def test_the_next_turn_evaluates_no_generated_token_again(engines: dict[str, Engine], prompt: list[int]) -> None:
+    engine = engines["exact"]
+    engine.forget_context()
+    answer = _ask(engine, prompt)
+    turn = prompt + answer + prompt[:20]
+    spec = job_spec(turn, model=engine.fingerprint, chunk_size=CHUNK, sampling=SamplingParams(max_tokens=4, temperature=0.0))
+    first_logits: list[np.ndarray] = []
+
+    def emit(_: TokenEvent) -> bool:
+        if not first_logits:
+            first_logits.append(last_logits(engine.llm))
+        return True
+
+    result = engine.run(spec, emit)
+    assert result.usage.cached_from_context == len(prompt) + len(answer)
+    assert result.usage.evaluated_tokens == 20
+    engine.forget_context()
+    cold_first = decoded_logits(engine.llm, turn, [], None)
+    assert np.array_equal(first_logits[0], cold_first), "the resumed turn's first token came from other logits than cold"
+
+
+def test_without_exact_decoding_the_completion_is_settled_at_idle_time_and_yields_to_a_waiting_job(
+    engines: dict[str, Engine], prompt: list[int]
+) -> None:
+    engine = engines["settling"]
+    assert engine.identity()["decode"] == "settle"
+    _ask(engine, prompt[:200])
+    engine.settle(lambda: True)
+    assert engine.exact_upto == 200, "a job was waiting: the completion stays unsettled"
+    answer = _ask(engine, prompt[:200])
+    engine.settle(lambda: False)
+    assert engine.exact_upto == 200 + len(answer)
