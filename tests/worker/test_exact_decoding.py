@@ -79,7 +79,7 @@ def engines(smollm2: Path) -> Iterator[dict[str, Engine]]:
 
 @pytest.fixture(scope="module")
 def prompt(engines: dict[str, Engine]) -> list[int]:
-    return engines["exact"].llm.tokenize(prompt_text(300, seed=3).encode(), add_bos=True)[:300]
+    return engines["exact"].llm.tokenize(prompt_text(3, 400).encode(), add_bos=True)[:300]
 
 
 def _ask(engine: Engine, tokens: list[int], max_tokens: int = 24) -> list[int]:

@@ -206,7 +206,8 @@ def test_batches_of_under_three_tokens_are_refused() -> None:
 
 
 def test_a_tail_alone_is_copied_only_once_the_answer_is_out(runners: dict[str, Runner], document: list[int]) -> None:
-    """Full chunks go out at the first token; a prompt that adds only a tail leaves the state copy for after the answer."""
+    """Full chunks go out at the first token; a prompt that adds only a tail leaves the state copy for after the
+    answer, when the tail goes out with the answer's cells (it serves a resend of the prompt as well)."""
     runner = runners["reuse"]
     engine = runner.engine
     assert engine.publisher is not None
@@ -214,11 +215,13 @@ def test_a_tail_alone_is_copied_only_once_the_answer_is_out(runners: dict[str, R
     prompt = document[: 2 * CHUNK] + document[3 * CHUNK : 3 * CHUNK + 40]  # a tail no stored tail shares a token with
     ns = engine.namespace("")
     keys = ns.chain(prompt)
-    tail = tail_key(ns.parent_of(keys, len(keys)), prompt[len(keys) * CHUNK :])
     spec = job_spec(prompt, model=engine.fingerprint, chunk_size=CHUNK, sampling=SamplingParams(max_tokens=2, temperature=0.0))
-    engine.run(spec, lambda _: True)
+    held = prompt + engine.run(spec, lambda _: True).tokens
+    tails = [tail_key(ns.parent_of(keys, len(keys)), t[len(keys) * CHUNK :]) for t in (prompt, held)]
     assert engine.publisher.wait_idle()
-    assert engine.publisher.store.index.present([tail]) == [False], "nothing was copied on the token path"
+    assert engine.publisher.store.index.present(tails) == [False, False], "nothing was copied on the token path"
     engine.after_answer()
     assert engine.publisher.wait_idle()
-    assert engine.publisher.store.index.present([tail]) == [True]
+    assert engine.publisher.store.index.present(tails[1:]) == [True]
+    runners["restore"].engine.forget_context()
+    assert runners["restore"].ask(prompt).cached_store == len(prompt) - 2, "another worker resumes the prompt from it"
