@@ -57,7 +57,10 @@ class WorkerSettings(PoolSettings):
     def _default_threads(self) -> WorkerSettings:
         """No more threads than the CPUs the process may use: llama.cpp counts every core of the machine, limits or not."""
         if self.n_threads is None:
-            self.n_threads = min(max((os.cpu_count() or 1) // 2, 1), available_cpus())
+            cpus, cores = available_cpus(), os.cpu_count() or 1
+            if self.n_threads_batch is None:  # llama.cpp's own default for prompts, every core, within the limits
+                self.n_threads_batch = min(cores, cpus)
+            self.n_threads = min(max(cores // 2, 1), cpus)
         return self
 
     def threads_batch(self) -> int | None:

@@ -27,6 +27,11 @@ def test_prompt_threads_follow_the_settings(tiny_model: Path, env: dict[str, int
         engine.close()
 
 
+def test_unset_threads_are_llama_cpps_defaults_within_the_cpus_allowed() -> None:
+    s, cpus = WorkerSettings(), available_cpus()
+    assert (s.n_threads, s.threads_batch()) == (min(max((os.cpu_count() or 1) // 2, 1), cpus), min(os.cpu_count() or 1, cpus))
+
+
 def test_n_threads_batch_defaults_to_n_threads() -> None:
     assert WorkerSettings(n_threads=3).threads_batch() == 3
     assert WorkerSettings(n_threads=3, n_threads_batch=1).threads_batch() == 1
