@@ -110,6 +110,9 @@ def worker_command(settings: WorkerSettings, burst: bool) -> None:
 
     Settings come from KVPOOL_* environment variables (model, context, KV layout, Redis, store).
     """
+    from worker.cpus import quiet_openmp
+
+    quiet_openmp()  # before llama_cpp, and with it the OpenMP runtime, is loaded
     from worker.models.fetch import ModelChecksumError
     from worker.process import WorkerNameTaken, run_worker
 

@@ -50,6 +50,7 @@ from store.errors import StoreError
 from store.store import Store
 from worker import jobs, metrics
 from worker.advert import Serving, advertise, adverts, withdraw
+from worker.cpus import available_cpus, openmp_wait
 from worker.engine import Engine
 from worker.errors import WorkerNameTaken
 from worker.health import Health, self_check_outcome, serve
@@ -255,6 +256,15 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
     worker = _wait_for_redis(lambda: build_worker(settings))
     worker.health = health
     _wait_for_redis(worker.claim_name)
+    log.info(
+        "worker.threads",
+        extra={
+            "n_threads": settings.n_threads,
+            "n_threads_batch": settings.threads_batch(),
+            "cpus": available_cpus(),
+            "openmp": openmp_wait(),
+        },
+    )
     engine = Engine(settings, resolve_model(settings), store=open_store(settings), name=worker.name)
     jobs.set_engine(engine)
     outcome, passed = self_check_outcome(engine.kv.cuttable, settings.self_check, engine.restore_enabled, engine.exact)

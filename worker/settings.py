@@ -9,13 +9,15 @@ publishing, leases, heartbeats.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from store.chain import DEFAULT_CHUNK_SIZE
 from store.settings import StoreSettings
+from worker.cpus import available_cpus
 
 
 class PoolSettings(StoreSettings):
@@ -40,12 +42,27 @@ class PoolSettings(StoreSettings):
 
 class WorkerSettings(PoolSettings):
     n_batch: int = Field(512, ge=3, description="Prompt evaluation batch size.")
-    n_threads: int | None = Field(None, ge=1, description="CPU threads per worker for generation (default: llama.cpp's choice).")
+    n_threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU threads per worker for generation (default: llama.cpp's choice, half the cores, but never more "
+        "than the CPUs this process may use: its affinity mask and cgroup CPU quota).",
+    )
     n_threads_batch: int | None = Field(
         None,
         ge=1,
         description="CPU threads per worker for prompt evaluation (default: KVPOOL_N_THREADS; llama.cpp's own default is every core).",
     )
+
+    @model_validator(mode="after")
+    def _default_threads(self) -> WorkerSettings:
+        """No more threads than the CPUs the process may use: llama.cpp counts every core of the machine, limits or not."""
+        if self.n_threads is None:
+            cpus, cores = available_cpus(), os.cpu_count() or 1
+            if self.n_threads_batch is None:  # llama.cpp's own default for prompts, every core, within the limits
+                self.n_threads_batch = min(cores, cpus)
+            self.n_threads = min(max(cores // 2, 1), cpus)
+        return self
 
     def threads_batch(self) -> int | None:
         """Prompt threads: as set, else the generation threads, so that N workers never run N x cores threads."""

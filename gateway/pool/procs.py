@@ -19,7 +19,8 @@ import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Self
 
@@ -286,3 +287,21 @@ class S3Server(Process):
             raise RuntimeError("a local S3 endpoint needs moto[server] (pip install 'moto[server]')")
         super().start(timeout_s)
         return self
+
+
+@contextmanager
+def busy_neighbour() -> Iterator[int]:
+    """A busy loop pinned to the last CPU this process may use, as another tenant of a shared node; yields that CPU.
+
+    It runs in a session of its own, as the systems do, so the scheduler weighs it as one
+    more process among them (with autogroups, one more group).
+    """
+    cpu = max(os.sched_getaffinity(0))
+    loop = subprocess.Popen(
+        [sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"], start_new_session=True
+    )
+    try:
+        yield cpu
+    finally:
+        loop.kill()
+        loop.wait()

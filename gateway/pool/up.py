@@ -7,7 +7,6 @@ and leaves nothing behind.
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -21,6 +20,7 @@ from gateway.pool.envfile import settings_env
 from gateway.pool.procs import GatewayProcess, RedisServer, WorkerProcess, free_port
 from gateway.settings import GatewaySettings
 from store.clitools import pass_settings
+from worker.cpus import available_cpus
 from worker.models.fetch import resolve_model
 
 Say = Callable[[str], None]
@@ -29,12 +29,15 @@ Say = Callable[[str], None]
 def default_workers(cores: int | None = None) -> tuple[int, int]:
     """Workers and threads per worker for this machine: every core busy, no core shared.
 
+    The cores are those this process may use (its affinity mask and cgroup CPU quota), not
+    the machine's: threads beyond them wait at llama.cpp's barriers for a core.
+
     A small machine gets one worker with every core (lowest latency for one user); from 4
     cores on, workers of 2 threads (more requests at once); from 16 on, workers of 4 threads,
     where llama.cpp's prompt evaluation still scales and a pool of dozens of model copies
     would spend memory for little. Each worker's prompt and generation threads are equal.
     """
-    cores = cores or os.cpu_count() or 1
+    cores = cores or available_cpus()
     if cores < 4:
         return 1, cores
     threads = 2 if cores < 16 else 4

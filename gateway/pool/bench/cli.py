@@ -241,6 +241,12 @@ if __name__ == "__main__":
     help="Comma-separated subset of the systems (the server-* and round-robin ones need --llama-server).",
 )
 @click.option(
+    "--neighbour",
+    is_flag=True,
+    help="Run each workload twice: as usual, then with a busy loop pinned to one of the cores (another tenant of a shared node).",
+)
+@click.option("--decode/--no-decode", "decode", default=True, show_default=True, help="End each system with the decode-throughput run.")
+@click.option(
     "--from-json",
     "from_json",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -257,6 +263,8 @@ def bench_peers_command(
     keys: str,
     concurrencies: str,
     names: str,
+    neighbour: bool,
+    decode: bool,
     from_json: Path | None,
 ) -> None:
     """kvpool beside llama.cpp's llama-server (1 slot, 4 slots, 2 round-robin), over HTTP, on W1-W4 at concurrency 1 and 4."""
@@ -288,6 +296,8 @@ def bench_peers_command(
         keys=chosen,
         concurrencies=concs,
         only=only,
+        neighbour=neighbour,
+        decode_run_too=decode,
     )
     doc["command"] = _command_line(ctx).replace("kvpool bench", "kvpool bench-peers", 1)
     _write_peers(out, doc)

@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ import httpx
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from gateway.pool.bench.peer_workloads import KEYS, Workload, chat_body, workloads
-from gateway.pool.procs import LlamaServer, free_port
+from gateway.pool.procs import LlamaServer, busy_neighbour, free_port
 from gateway.settings import GatewaySettings
 
 
@@ -49,6 +49,8 @@ class RunResult:
     cached_tokens: int = 0
     completion_tokens: int = 0
     answers: list[str] = field(default_factory=list)
+    neighbour: bool = False
+    """Run while a busy loop held one of the system's cores (``--neighbour``)."""
 
     @property
     def ttft_p50(self) -> float:
@@ -243,22 +245,32 @@ def run_peers(
     keys: tuple[str, ...] = KEYS,
     concurrencies: tuple[int, ...] = (1, 4),
     only: tuple[str, ...] = SYSTEMS,
+    neighbour: bool = False,
+    decode_run_too: bool = True,
 ) -> dict[str, object]:
-    """Every system on every workload and concurrency, each started afresh (empty caches), then decode throughput."""
+    """Every system on every workload and concurrency, each started afresh (empty caches), then decode throughput.
+
+    With ``neighbour``, each run is repeated right after with a busy loop on one of the cores (`busy_neighbour`).
+    """
     results: list[RunResult] = []
     decode: list[dict[str, object]] = []
     wls = workloads(repo, model_name, keys)
     for name, start in systems(binary, model, threads=threads, n_ctx=n_ctx, logs=logs, only=only).items():
         for wl in wls:
             for conc in concurrencies:
-                with start() as urls:  # type: ignore[attr-defined]
-                    _warm_up(urls, model_name)
-                    r = run_workload(name, urls, wl, conc)
-                results.append(r)
-                echo(
-                    f"{name:30s} {wl.key} c={conc}: wall {r.wall_s:6.2f} s, TTFT p50 {r.ttft_p50 * 1000:7.1f} ms, "
-                    f"cached {r.cached_tokens}/{r.prompt_tokens}, completion {r.completion_tokens}"
-                )
+                for busy in (False, True) if neighbour else (False,):
+                    with start() as urls:  # type: ignore[attr-defined]
+                        _warm_up(urls, model_name)
+                        with busy_neighbour() if busy else nullcontext():
+                            r = run_workload(name, urls, wl, conc)
+                    r.neighbour = busy
+                    results.append(r)
+                    echo(
+                        f"{name + (' + neighbour' if busy else ''):30s} {wl.key} c={conc}: wall {r.wall_s:6.2f} s, "
+                        f"TTFT p50 {r.ttft_p50 * 1000:7.1f} ms, cached {r.cached_tokens}/{r.prompt_tokens}, completion {r.completion_tokens}"
+                    )
+        if not decode_run_too:
+            continue
         with start() as urls:  # type: ignore[attr-defined]
             _warm_up(urls, model_name)
             d = decode_run(name, urls, model_name)
@@ -268,6 +280,7 @@ def run_peers(
         echo(f"{name:30s} decode: {d.completion_tokens} tokens in {d.wall_s:6.2f} s ({d.completion_tokens / d.wall_s:.0f} tokens/s)")
     return {
         "threads": threads,
+        "neighbour": neighbour,
         "n_ctx": n_ctx,
         "model": model_name,
         "workloads": {w.key: w.title for w in wls},

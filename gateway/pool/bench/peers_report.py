@@ -8,9 +8,19 @@ BASE = "llama-server 1 slot"
 Run = dict[str, Any]
 
 
-def _find(runs: list[Run], system: str, workload: str, conc: int) -> Run | None:
-    """The run of the system whose name starts with ``system``."""
-    return next((r for r in runs if r["system"].startswith(system) and r["workload"] == workload and r["concurrency"] == conc), None)
+def _find(runs: list[Run], system: str, workload: str, conc: int, *, neighbour: bool = False) -> Run | None:
+    """The run of the system whose name starts with ``system``, with a busy neighbour or without."""
+    return next(
+        (
+            r
+            for r in runs
+            if r["system"].startswith(system)
+            and r["workload"] == workload
+            and r["concurrency"] == conc
+            and bool(r.get("neighbour")) == neighbour
+        ),
+        None,
+    )
 
 
 def _same_answers(run: Run, base: Run | None) -> str:
@@ -20,7 +30,7 @@ def _same_answers(run: Run, base: Run | None) -> str:
 
 
 def _table(runs: list[Run], key: str, conc: int, title: str) -> list[str]:
-    rows = [r for r in runs if r["workload"] == key and r["concurrency"] == conc]
+    rows = [r for r in runs if r["workload"] == key and r["concurrency"] == conc and not r.get("neighbour")]
     base = _find(runs, BASE, key, conc)
     out = [
         f"### {key}, concurrency {conc}: {title}",
@@ -69,6 +79,14 @@ def _targets(runs: list[Run], decode: list[Run], keys: list[str]) -> list[str]:
             f"| W3 c=1: kvpool 2 workers at least 2x faster than 2 round-robin llama-servers "
             f"| {x:.2f}x as fast ({kv['wall_s']:.1f} vs {rr['wall_s']:.1f} s) | {_verdict(x >= 2)} |"
         )
+    for key in keys:
+        base, kv = _find(runs, BASE, key, 1, neighbour=True), _find(runs, "kvpool 1w", key, 1, neighbour=True)
+        if base and kv:
+            x = kv["wall_s"] / base["wall_s"]
+            out.append(
+                f"| {key} c=1, a busy neighbour on one core: kvpool 1 worker within 1.3x of llama-server 1 slot "
+                f"| kvpool's time over llama-server's: {x:.2f}x ({kv['wall_s']:.1f} vs {base['wall_s']:.1f} s) | {_verdict(x <= 1.3)} |"
+            )
     d_base = next((d for d in decode if d["system"] == BASE), None)
     d_kv = next((d for d in decode if d["system"].startswith("kvpool 1w")), None)
     if d_base and d_kv:
@@ -76,6 +94,36 @@ def _targets(runs: list[Run], decode: list[Run], keys: list[str]) -> list[str]:
         out.append(
             f"| decode: kvpool 1 worker at least llama-server 1 slot's tokens/s "
             f"| {x:.2f}x ({d_kv['tokens_per_s']:.0f} vs {d_base['tokens_per_s']:.0f} tokens/s) | {_verdict(x >= 1)} |"
+        )
+    return [*out, ""]
+
+
+def _neighbour_table(runs: list[Run]) -> list[str]:
+    """Each run beside its repeat with a busy neighbour on one core: time per request, and kvpool's over llama-server's."""
+    busy = [r for r in runs if r.get("neighbour")]
+    if not busy:
+        return []
+    out = [
+        "### A busy neighbour on one core",
+        "",
+        "| system | workload | c | s per request, alone | with the neighbour | slowdown | TTFT p50 ms, alone / neighbour "
+        "| vs llama-server 1 slot, with the neighbour |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in busy:
+        alone = next(
+            a for a in runs if a["system"] == r["system"] and a["workload"] == r["workload"] and a["concurrency"] == r["concurrency"]
+        )
+        base = next(
+            (b for b in busy if b["system"].startswith(BASE) and b["workload"] == r["workload"] and b["concurrency"] == r["concurrency"]),
+            None,
+        )
+        n = len(r["ttft_s"])
+        vs = f"{r['wall_s'] / base['wall_s']:.2f}x" if base else "-"
+        out.append(
+            f"| {r['system']} | {r['workload']} | {r['concurrency']} | {alone['wall_s'] / n:.2f} | {r['wall_s'] / n:.2f} "
+            f"| {r['wall_s'] / alone['wall_s']:.2f}x | {alone['ttft_p50'] * 1e3:.0f} / {r['ttft_p50'] * 1e3:.0f} "
+            f"| {vs} |"
         )
     return [*out, ""]
 
@@ -94,7 +142,9 @@ def report(doc: dict[str, Any], command: str, plots: list[str] | tuple[str, ...]
     for key in keys:
         for conc in sorted({r["concurrency"] for r in runs if r["workload"] == key}):
             lines += _table(runs, key, conc, titles.get(key, ""))
-    lines += ["### decode, 8 requests at concurrency 4", "", "| system | tokens | wall s | tokens/s |", "|---|---|---|---|"]
+    lines += _neighbour_table(runs)
+    if doc["decode"]:
+        lines += ["### decode, 8 requests at concurrency 4", "", "| system | tokens | wall s | tokens/s |", "|---|---|---|---|"]
     for d in doc["decode"]:
         lines.append(f"| {d['system']} | {d['completion_tokens']} | {d['wall_s']:.2f} | {d['tokens_per_s']:.0f} |")
     lines += ["", *_targets(runs, doc["decode"], keys)]

@@ -162,6 +162,25 @@ def test_bench_peers_rewrites_its_report_and_plot_from_json(tmp_path: Path) -> N
     assert (out / "peers.png").stat().st_size > 0 and "![peers.png](peers.png)" in md
 
 
+def test_bench_peers_reports_each_run_beside_its_repeat_with_a_busy_neighbour(tmp_path: Path) -> None:
+    from gateway.pool.bench.peers_report import report
+
+    def run(system: str, wall: float, neighbour: bool) -> dict[str, object]:
+        return {"system": system, "workload": "W4", "concurrency": 1, "wall_s": wall, "ttft_s": [1.0, 1.0], "neighbour": neighbour}
+
+    runs = [run("llama-server 1 slot", 6.0, False), run("llama-server 1 slot", 14.0, True)]
+    runs += [run("kvpool 1w x 2t", 7.0, False), run("kvpool 1w x 2t", 112.0, True)]
+    for r in runs:
+        r.update(ttft_p50=1.0, ttft_p95=1.0, prompt_tokens=10, cached_tokens=0, completion_tokens=4, answers=["a", "b"])
+    md = report({"model": "m", "threads": 2, "n_ctx": 4096, "runs": runs, "decode": []}, "kvpool bench-peers --neighbour")
+    assert "| kvpool 1w x 2t | W4 | 1 | 3.50 | 56.00 | 16.00x | 1000 / 1000 | 8.00x |" in md
+    assert (
+        "a busy neighbour on one core: kvpool 1 worker within 1.3x of llama-server 1 slot | kvpool's time over llama-server's: 8.00x" in md
+    )
+    assert "wall 1.17x (7.0 vs 6.0 s)" in md  # the usual tables and targets compare the runs without the neighbour
+    assert "### decode" not in md
+
+
 def test_bench_peers_runs_the_systems_asked_for_in_their_usual_order(tmp_path: Path) -> None:
     from gateway.pool.bench.peers import systems
 
