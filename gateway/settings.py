@@ -77,6 +77,12 @@ class GatewaySettings(PoolSettings):
     batch_worker_grace_s: float = Field(
         60.0, gt=0, description="Seconds a running batch waits with no live worker before pausing (it is resumed later)."
     )
+    stream_ping_s: float = Field(
+        10.0,
+        ge=0,
+        description="Seconds a streamed Anthropic message may go without an event (a cold prompt being evaluated, say) before a "
+        "ping event is sent, so that clients and proxies do not time out the idle stream. 0: no pings but the first.",
+    )
     max_tokens_default: int = Field(256, ge=1, description="max_tokens when a chat request does not say.")
     responses_ttl_s: int = Field(
         30 * 24 * 3600, ge=1, description="How long a stored Responses API response (its items and token ids) is kept, seconds."
