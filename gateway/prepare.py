@@ -36,7 +36,7 @@ class Preparer:
         self.tokenizer = Tokenizer(model_path, template)
         self.fingerprint = fingerprint_file(model_path)
         self.model_name = settings.model_name or Path(model_path).name.removesuffix(".gguf")
-        self.tool_format = ToolFormat.for_template(self.tokenizer.template_source)
+        self.tool_format = ToolFormat.for_template(self.tokenizer.template_source, settings.tool_format)
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:

@@ -7,9 +7,19 @@ so it reads the same model file, chunk size, context size and queue as the worke
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from pydantic import Field
 
 from worker.settings import PoolSettings
+
+
+class ToolFormatChoice(StrEnum):
+    """How requests with tools are written (`gateway.toolformat.ToolFormat`)."""
+
+    AUTO = "auto"
+    HERMES = "hermes"
+    GENERIC = "generic"
 
 
 class GatewaySettings(PoolSettings):
@@ -20,6 +30,13 @@ class GatewaySettings(PoolSettings):
         "",
         description="Jinja chat template used instead of the model's own (as llama-server's --chat-template-file). "
         "Not needed for tools: a template that renders none gets them anyway (see the README's API).",
+    )
+    tool_format: ToolFormatChoice = Field(
+        ToolFormatChoice.AUTO,
+        description="How a request with tools is written. auto: by the chat template when it renders tools in the Hermes "
+        "<tool_call> format, else in llama.cpp's generic JSON format, forced by a grammar (as llama-server does). hermes: a ChatML "
+        "template without tools gets kvpool's Hermes ChatML template instead (answers stream as they come; the model chooses "
+        "text or calls freely). generic: the generic format whatever the template.",
     )
     api_keys: dict[str, str] = Field(
         default_factory=dict,
@@ -59,6 +76,12 @@ class GatewaySettings(PoolSettings):
     )
     batch_worker_grace_s: float = Field(
         60.0, gt=0, description="Seconds a running batch waits with no live worker before pausing (it is resumed later)."
+    )
+    stream_ping_s: float = Field(
+        10.0,
+        ge=0,
+        description="Seconds a streamed Anthropic message may go without an event (a cold prompt being evaluated, say) before a "
+        "ping event is sent, so that clients and proxies do not time out the idle stream. 0: no pings but the first.",
     )
     max_tokens_default: int = Field(256, ge=1, description="max_tokens when a chat request does not say.")
     responses_ttl_s: int = Field(

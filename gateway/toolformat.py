@@ -1,20 +1,27 @@
 """Tools for every model: how a request with tools is rendered, constrained and parsed, whatever the chat template.
 
-The format is chosen once per gateway from the chat template (`ToolFormat.for_template`):
+The format is chosen once per gateway from the chat template and ``KVPOOL_TOOL_FORMAT``
+(`ToolFormat.for_template`), as llama-server chooses it (llama.cpp's ``common/chat.cpp``
+before its automatic parser: the Hermes format only when the template itself has
+``<tool_call>``, else the generic format):
 
 * ``native``: the template renders ``tools`` in the Hermes ``<tool_call>`` format
   (Qwen2.5's, for one): it renders every request.
-* ``hermes``: a ChatML template that renders no tools (SmolLM2's, for one): a request
-  that uses tools is rendered with kvpool's own ChatML template in the Hermes format
+* ``generic`` (the default for any other template, SmolLM2's ChatML included): the
+  model's template renders the messages; the tools are described in the system turn, and
+  the answer is one JSON object, ``{"tool_call": {"name": ..., "arguments": {...}}}`` (with
+  ``parallel_tool_calls``: ``{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}``) or
+  ``{"response": "..."}``, enforced by a grammar even under ``auto``, so a small model that
+  would ramble in text still writes a call it was shown how to write. Calls and results of
+  earlier turns are written in the same JSON, results as user turns (many templates know
+  no other roles). The JSON is parsed when the answer is complete, so a streamed answer
+  comes in one piece at its end.
+* ``hermes`` (``KVPOOL_TOOL_FORMAT=hermes``, ChatML templates only): a request that uses
+  tools is rendered with kvpool's own ChatML template in the Hermes format
   (``gateway/templates/chatml-tools.jinja``, shipped in the package); one without keeps
-  the model's template, to the token.
-* ``generic``: any other template (as llama.cpp's generic format): the model's template
-  renders the messages; the tools are described in the system turn, and the answer is
-  one JSON object, ``{"tool_call": {"name": ..., "arguments": {...}}}`` or
-  ``{"response": "..."}``, enforced by a grammar. Calls and results of earlier turns
-  are written in the same JSON, results as user turns (many templates know no other
-  roles). The JSON is parsed when the answer is complete, so a streamed answer comes in
-  one piece at its end.
+  the model's template, to the token. ``auto`` is free text, parsed for ``<tool_call>``
+  blocks, so text streams as it comes and the model may answer without a call; a model
+  tuned on Hermes calls does best in it, SmolLM2 rarely calls a tool in it by itself.
 
 In the two Hermes formats a ``required`` or named ``tool_choice`` is a grammar and
 ``auto`` is parsed from the text (`gateway.tools`).
@@ -32,17 +39,16 @@ from llama_cpp.llama_grammar import SchemaConverter
 
 from gateway.errors import InvalidRequest
 from gateway.schemas import ChatCompletionRequest, Message
+from gateway.settings import ToolFormatChoice
 from gateway.structured import verify_grammar
 from gateway.tokenizer import TemplateError, Tokenizer, compile_template
 from gateway.tools import ToolStream, call_rules, parse_call, supports_tools, template_messages, template_tools, tool_grammar, uses_tools
 
 HERMES_TEMPLATE = "chatml-tools.jinja"
 
-GENERIC_PROMPT = (
-    "You can call these tools:\n{tools}\n\n"
-    'Answer with one JSON object: {{"tool_call": {{"name": <the tool\'s name>, "arguments": <its arguments>}}}} to call a tool, '
-    'or {{"response": <your answer>}} to answer directly.'
-)
+GENERIC_INSTRUCTION = "Answer in JSON: with {key} to call tools, or with `response` to reply to the user yourself."
+GENERIC_TOOLS = "These are the tools you may call to do what the user asks: {tools}\n\nThis is how a tool call looks:\n\n{example}"
+_EXAMPLE_CALL = {"name": "tool_name", "arguments": {"arg1": "some_value"}}
 
 Kind = Literal["native", "hermes", "generic"]
 
@@ -85,13 +91,15 @@ class JsonToolStream(ToolStream):
         text, self._json = self._json, ""
         try:
             doc = json.loads(text)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return self._content(text)  # cut short (max_tokens): what there is, as text
-        if isinstance(doc, dict) and isinstance(doc.get("tool_call"), dict):
-            call = parse_call(doc["tool_call"], self.names)
-            if call is not None:
-                return self._call_deltas(call)
-        if isinstance(doc, dict) and isinstance(doc.get("response"), str):
+        if not isinstance(doc, dict):
+            return self._content(text)
+        written = doc.get("tool_calls", [doc["tool_call"]] if "tool_call" in doc else None)
+        calls = [parse_call(c, self.names) if isinstance(c, dict) else None for c in written] if isinstance(written, list) else []
+        if calls and None not in calls:
+            return [d for call in calls if call is not None for d in self._call_deltas(call)]
+        if isinstance(doc.get("response"), str):
             return self._content(doc["response"])
         return self._content(text)
 
@@ -103,26 +111,43 @@ class ToolFormat:
         """The template that renders requests with tools (``hermes``); None: the model's."""
 
     @classmethod
-    def for_template(cls, source: str) -> ToolFormat:
+    def for_template(cls, source: str, choice: ToolFormatChoice = ToolFormatChoice.AUTO) -> ToolFormat:
+        """The format for a chat template. Raises `ValueError` for ``hermes`` with a template that is not ChatML."""
+        if choice == ToolFormatChoice.GENERIC:
+            return cls("generic")
         if supports_tools(source):
             return cls("native")
-        if "<|im_start|>" in source:
+        if choice == ToolFormatChoice.HERMES:
+            if "<|im_start|>" not in source:
+                raise ValueError("KVPOOL_TOOL_FORMAT=hermes needs a ChatML chat template (<|im_start|>); this model's is not one")
             return cls("hermes", compile_template(packaged_template()))
         return cls("generic")
 
+    def template_inputs(
+        self, req: ChatCompletionRequest
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, jinja2.Template | None]:
+        """What the chat template renders: the messages, the tools, and the template (None: the model's)."""
+        if not uses_tools(req):
+            return template_messages(req.messages), None, None
+        if self.kind != "generic":
+            return template_messages(req.messages), template_tools(req), self.template
+        return generic_messages(req), None, None
+
     def render(self, tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
         """The prompt's text. Raises `TemplateError`."""
-        if not uses_tools(req):
-            return tokenizer.render_chat(template_messages(req.messages))
-        if self.kind != "generic":
-            return tokenizer.render_chat(template_messages(req.messages), template_tools(req), self.template)
-        messages = generic_messages(req)
+        messages, tools, template = self.template_inputs(req)
         try:
-            return tokenizer.render_chat(messages)
+            return tokenizer.render_chat(messages, tools, template)
         except TemplateError:
-            if messages[0]["role"] != "system" or len(messages) < 2:
+            if self.kind != "generic" or not uses_tools(req) or messages[0]["role"] != "system" or len(messages) < 2:
                 raise
             return tokenizer.render_chat(_system_into_user(messages))  # a template that knows no system turn
+
+    def written_answer(self, text: str, req: ChatCompletionRequest) -> str:
+        """How an earlier answer of plain text is written into the prompt."""
+        if self.kind == "generic" and req.tools_offered():
+            return json.dumps({"response": text}, ensure_ascii=False)
+        return text
 
     def grammar(self, req: ChatCompletionRequest, vocab: Any) -> str | None:
         """The grammar the tools ask for (None: none; the response format's applies)."""
@@ -137,7 +162,13 @@ class ToolFormat:
                 param="response_format",
             )
         conv = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-        rules = call_rules(req, conv, lambda call: {"type": "object", "properties": {"tool_call": call}, "required": ["tool_call"]})
+        call = conv._add_rule("generic-call", " | ".join(call_rules(req, conv)))
+        if parallel_calls(req):
+            rules = [
+                conv._add_rule("calls", f'"{{" space {_key("tool_calls")} "[" space {call} ( "," space {call} )* "]" space "}}" space')
+            ]
+        else:
+            rules = [conv._add_rule("one-call", f'"{{" space {_key("tool_call")} {call} "}}" space')]
         if not req.forced_tools():
             rules.append(conv.visit({"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"]}, "answer"))
         conv._add_rule("root", " | ".join(rules))
@@ -151,11 +182,21 @@ class ToolFormat:
         return Offered(tuple(t.function.name for t in req.tools or []), generic=self.kind == "generic")
 
 
+def parallel_calls(req: ChatCompletionRequest) -> bool:
+    """Whether a generic answer may hold several calls: only when the request asks (llama-server's default is one call)."""
+    return req.parallel_tool_calls and "parallel_tool_calls" in req.model_fields_set
+
+
+def _key(name: str) -> str:
+    """A JSON object's key and its colon, as the grammar writes them."""
+    return f'"\\"{name}\\"" space ":" space'
+
+
 def generic_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages with calls, results and (when tools are offered) answers written in the generic JSON, the tools in the system turn."""
     out: list[dict[str, Any]] = []
     for m, d in zip(req.messages, template_messages(req.messages)):
-        role, content = d["role"], _generic_content(m, d, req.tools_offered())
+        role, content = d["role"], _generic_content(m, d, req)
         if role == "tool":
             role = "user"
         if out and out[-1]["role"] == role == "user":
@@ -163,7 +204,7 @@ def generic_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         else:
             out.append({"role": role, "content": content})
     if req.tools_offered():
-        prompt = GENERIC_PROMPT.format(tools="\n".join(json.dumps(t["function"], ensure_ascii=False) for t in template_tools(req) or []))
+        prompt = generic_prompt(template_tools(req) or [], parallel_calls(req))
         if out and out[0]["role"] == "system":
             out[0]["content"] += "\n\n" + prompt
         else:
@@ -171,15 +212,27 @@ def generic_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _generic_content(m: Message, d: dict[str, Any], offered: bool) -> str:
+def generic_prompt(tools: list[dict[str, Any]], parallel: bool) -> str:
+    """What the system turn says about the tools: the JSON to answer with, the tools, an example call."""
+    example = {"tool_calls": [_EXAMPLE_CALL]} if parallel else {"tool_call": _EXAMPLE_CALL}
+    return (
+        GENERIC_INSTRUCTION.format(key="`tool_calls`" if parallel else "`tool_call`")
+        + "\n\n"
+        + GENERIC_TOOLS.format(tools=json.dumps(tools, ensure_ascii=False, indent=2), example=json.dumps(example, indent=2))
+    )
+
+
+def _generic_content(m: Message, d: dict[str, Any], req: ChatCompletionRequest) -> str:
     if m.role == "tool":
         return json.dumps({"tool_response": {"id": m.tool_call_id, "content": m.text()}}, ensure_ascii=False)
     if m.role != "assistant":
         return str(d["content"])
-    calls = [json.dumps({"tool_call": c["function"]}, ensure_ascii=False) for c in d["tool_calls"] or []]
-    if calls:
-        return "\n".join(([json.dumps({"response": m.text()}, ensure_ascii=False)] if m.text() else []) + calls)
-    return json.dumps({"response": m.text()}, ensure_ascii=False) if offered else m.text()
+    calls = [c["function"] for c in d["tool_calls"] or []]
+    if not calls:
+        return json.dumps({"response": m.text()}, ensure_ascii=False) if req.tools_offered() else m.text()
+    written = {"tool_calls": calls} if parallel_calls(req) or len(calls) > 1 else {"tool_call": calls[0]}
+    text = [json.dumps({"response": m.text()}, ensure_ascii=False)] if m.text() else []
+    return "\n".join([*text, json.dumps(written, ensure_ascii=False)])
 
 
 def _system_into_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

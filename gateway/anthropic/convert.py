@@ -201,8 +201,9 @@ def chat_request(req: CountTokensRequest, messages: list[dict[str, Any]], n_tool
         ]
         or None,
         "tool_choice": _tool_choice(req) if n_tools is None else ("none" if isinstance(req.tool_choice, ToolChoiceNone) else None),
-        "parallel_tool_calls": not getattr(req.tool_choice, "disable_parallel_tool_use", False),
     }
+    if getattr(req.tool_choice, "disable_parallel_tool_use", False):
+        body["parallel_tool_calls"] = False  # else the default: several calls allowed (one in the generic format, as llama-server)
     if req.output_config is not None and req.output_config.format is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": req.output_config.format.schema_}}
     if isinstance(req, MessagesRequest):

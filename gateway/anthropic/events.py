@@ -15,6 +15,7 @@ from typing import Any
 
 from gateway.anthropic.prepare import MessageJob, stop_reason, usage
 from gateway.responses import kvpool_extra
+from gateway.sse import event
 from gateway.tools import ToolStream
 from worker.protocol import JobResult, TokenEvent
 
@@ -67,8 +68,12 @@ def message_body(job_id: str, model: str, result: JobResult, job: MessageJob) ->
     }
 
 
-def sse(event: dict[str, Any]) -> bytes:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+def sse(ev: dict[str, Any]) -> bytes:
+    """An Anthropic event, named by its type (framed by `gateway.sse.event`)."""
+    return event(ev, ev["type"])
+
+
+PING = sse({"type": "ping"})
 
 
 class MessageEvents:
@@ -95,7 +100,7 @@ class MessageEvents:
             "stop_sequence": None,
             "usage": {"input_tokens": len(self.job.prepared.spec.tokens), "output_tokens": 0},
         }
-        return [sse({"type": "message_start", "message": message}), sse({"type": "ping"})]
+        return [sse({"type": "message_start", "message": message}), PING]
 
     def token(self, t: TokenEvent) -> list[bytes]:
         if not t.text:

@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from gateway.answer import Submitted, cancel_unfinished
 from gateway.anthropic.errors import AnthropicRoute, error_body
-from gateway.anthropic.events import MessageEvents, message_body, sse
+from gateway.anthropic.events import PING, MessageEvents, message_body, sse
 from gateway.anthropic.prepare import MessageJob, count_tokens, prepare_message
 from gateway.anthropic.schemas import CountTokensRequest, MessagesRequest
 from gateway.errors import APIError, Overloaded, Unauthorized, WorkerFailed
@@ -54,7 +54,7 @@ def messages_router(gw: Gateway) -> APIRouter:
         job = await run_in_threadpool(prepare_message, gw.preparer, body, tenant)
         [sub] = await submit_once(gw, request, [job.prepared], tenant)
         if body.stream:
-            return EventStream(_events(gw, request, sub, job), media_type="text/event-stream")
+            return EventStream(_events(gw, request, sub, job), ping=PING, ping_s=gw.settings.stream_ping_s)
         return JSONResponse(await _whole(gw, request, sub, job))
 
     @router.post("/v1/messages/count_tokens")

@@ -9,7 +9,7 @@ call joins the assistant message before it (its ``tool_calls``), an output becom
 
 `OutputBuilder` turns the answer's text, as it streams, into output items and the events
 that announce them, the same way whether the client streams or not; text inside
-``<tool_call>`` blocks (`gateway.tools.ToolStream`) becomes ``function_call`` items.
+the calls the tool format writes (`gateway.toolformat.Offered`) become ``function_call`` items.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import secrets
 from typing import Any
 
 from gateway.responses_api.schemas import FunctionCallItem, FunctionCallOutputItem, Item, MessageItem
-from gateway.tools import ToolStream
+from gateway.toolformat import Offered
 
 
 def new_id(prefix: str) -> str:
@@ -81,9 +81,9 @@ def output_text(output: list[dict[str, Any]]) -> str:
 class OutputBuilder:
     """The answer's output items, built as its text streams in, and the events (without sequence numbers) that announce them."""
 
-    def __init__(self, tools: tuple[str, ...] | None) -> None:
+    def __init__(self, tools: Offered | None) -> None:
         self.items: list[dict[str, Any]] = []
-        self._tools = ToolStream(tools) if tools else None
+        self._tools = tools.stream() if tools else None
         self._open: dict[str, Any] | None = None
 
     def push(self, text: str) -> list[dict[str, Any]]:

@@ -34,9 +34,9 @@ from gateway.responses_api.state import Stored
 from gateway.schemas import ChatCompletionRequest, Message
 from gateway.structured import response_grammar
 from gateway.tenants import Tenant
-from gateway.tokenizer import TemplateError, Tokenizer
+from gateway.tokenizer import TemplateError
 from gateway.toolformat import Offered
-from gateway.tools import supports_tools, template_messages, template_tools, tool_grammar, uses_tools
+from gateway.tools import template_tools
 
 SENTINEL = "KVPOOL-CONTINUE-5c1e7a"
 """Stands in for the previous answer when the new turn is rendered as its continuation."""
@@ -57,7 +57,8 @@ class Turn:
     items: list[dict[str, Any]]
     """The conversation's input items: the previous response's history, then this request's input."""
     render_key: str
-    tools: tuple[str, ...] | None
+    tools: Offered | None
+    """The functions the answer may call, and how their calls are written."""
     continued: int
     """Leading prompt tokens taken as they were from the previous response (0: the prompt was rendered)."""
 
@@ -70,16 +71,9 @@ def prepare_turn(preparer: Preparer, req: ResponseCreate, tenant: Tenant, prev: 
     _check_calls(history, new)
     chat = _chat_request(req, chat_messages(history + new))
     tok = preparer.tokenizer
-    if uses_tools(chat) and not supports_tools(tok.template_source):
-        raise InvalidRequest(
-            f"the model '{preparer.model_name}' has a chat template without tool support (it renders no tools in the <tool_call> "
-            "format); serve it with KVPOOL_CHAT_TEMPLATE_FILE naming one that does, such as deploy/templates/chatml-tools.jinja",
-            param="tools",
-            code="tools_unsupported",
-        )
     tools = template_tools(chat)
     key = render_key(preparer, req.instructions, tools)
-    tokens, continued = _tokens(tok, chat, new, tools, prev if prev is not None and prev.render_key == key else None)
+    tokens, continued = _tokens(preparer, chat, new, prev if prev is not None and prev.render_key == key else None)
     n_ctx = preparer.settings.n_ctx
     budget = chat.token_budget(max(1, n_ctx - len(tokens)))  # no max_output_tokens: up to the end of the context, as OpenAI
     if len(tokens) + budget > n_ctx:
@@ -89,14 +83,16 @@ def prepare_turn(preparer: Preparer, req: ResponseCreate, tenant: Tenant, prev: 
             param="input",
             code="context_length_exceeded",
         )
-    prepared = preparer._job(chat, tokens, budget, tok.chat_stops, None, tenant, chat=True, grammar=_grammar(tok, chat))
-    names = tuple(t.function.name for t in chat.tools or []) if chat.tools_offered() else None
-    return Turn(Prepared(prepared.spec, chat=True, tools=Offered(names) if names else None), history + new, key, names, continued)
+    prepared = preparer._job(chat, tokens, budget, tok.chat_stops, None, tenant, chat=True, grammar=_grammar(preparer, chat))
+    offered = preparer.tool_format.offered(chat)
+    return Turn(Prepared(prepared.spec, chat=True, tools=offered), history + new, key, offered, continued)
 
 
 def render_key(preparer: Preparer, instructions: str | None, tools: list[dict[str, Any]] | None) -> str:
     """What a prompt's tokens depend on besides the conversation: equal keys let a follow-up continue the stored tokens."""
-    doc = json.dumps([preparer.fingerprint, preparer.tokenizer.template_source, instructions, tools], sort_keys=True)
+    doc = json.dumps(
+        [preparer.fingerprint, preparer.tokenizer.template_source, preparer.tool_format.kind, instructions, tools], sort_keys=True
+    )
     return hashlib.sha256(doc.encode()).hexdigest()[:32]
 
 
@@ -141,7 +137,7 @@ def _chat_request(req: ResponseCreate, messages: list[dict[str, Any]]) -> ChatCo
         "messages": system + messages,
         "tools": tools or None,
         "tool_choice": chat_tool_choice(req.tool_choice),
-        "parallel_tool_calls": req.parallel_tool_calls,
+        **({"parallel_tool_calls": req.parallel_tool_calls} if "parallel_tool_calls" in req.model_fields_set else {}),
         "response_format": _response_format(req.text.format if req.text else None),
         "max_completion_tokens": req.max_output_tokens,
         "temperature": req.temperature,
@@ -160,40 +156,44 @@ def _chat_request(req: ResponseCreate, messages: list[dict[str, Any]]) -> ChatCo
         raise InvalidRequest(message, param=param) from None
 
 
-def _render(tok: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+def continuation(preparer: Preparer, chat: ChatCompletionRequest, new: list[Message]) -> str | None:
+    """The text that follows a finished answer: its end of turn, ``new``, the generation prompt (None if the template hides it).
+
+    ``chat`` gives the tools and how they are written (`gateway.toolformat.ToolFormat`).
+    """
+    fmt = preparer.tool_format
+    lead = [Message(role="user", content="?"), Message(role="assistant", content=SENTINEL)]
+    stand_in = chat.model_copy(update={"messages": lead + new})
     try:
-        return tok.render_chat(messages, tools)
+        text = fmt.render(preparer.tokenizer, stand_in)
     except TemplateError as e:
         raise InvalidRequest(str(e), param="input") from None
-
-
-def continuation(tok: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
-    """The text that follows a finished answer: its end of turn, ``messages``, the generation prompt (None if the template hides it)."""
-    lead = [{"role": "user", "content": "?", "tool_calls": None}, {"role": "assistant", "content": SENTINEL, "tool_calls": None}]
-    text = _render(tok, lead + messages, tools)
-    if text.count(SENTINEL) != 1:
+    marker = fmt.written_answer(SENTINEL, stand_in)
+    if text.count(marker) != 1:
         return None
-    return text[text.index(SENTINEL) + len(SENTINEL) :]
+    return text[text.index(marker) + len(marker) :]
 
 
-def _tokens(
-    tok: Tokenizer, chat: ChatCompletionRequest, new: list[dict[str, Any]], tools: list[dict[str, Any]] | None, prev: Stored | None
-) -> tuple[list[int], int]:
+def _tokens(preparer: Preparer, chat: ChatCompletionRequest, new: list[dict[str, Any]], prev: Stored | None) -> tuple[list[int], int]:
     """The prompt: the previous response's tokens and the new turn's (when it can continue them), else the whole conversation rendered."""
+    tok = preparer.tokenizer
     try:
         if prev is not None:
-            turn = template_messages([Message.model_validate(m) for m in chat_messages(new)])
-            text = continuation(tok, turn, tools)
+            text = continuation(preparer, chat, [Message.model_validate(m) for m in chat_messages(new)])
             if text is not None:
                 return prev.tokens + tok.llm.tokenize(text.encode(), add_bos=False, special=True), len(prev.tokens)
-        return tok.tokenize(_render(tok, template_messages(chat.messages), tools), special=True), 0
+        try:
+            text = preparer.tool_format.render(tok, chat)
+        except TemplateError as e:
+            raise InvalidRequest(str(e), param="input") from None
+        return tok.tokenize(text, special=True), 0
     except InvalidRequest as e:
         raise InvalidRequest(_renamed(e.message), param="input") from None
 
 
-def _grammar(tok: Tokenizer, chat: ChatCompletionRequest) -> str | None:
-    vocab = tok.llm._model.vocab
+def _grammar(preparer: Preparer, chat: ChatCompletionRequest) -> str | None:
+    vocab = preparer.tokenizer.llm._model.vocab
     try:
-        return tool_grammar(chat, vocab) if chat.forced_tools() else response_grammar(chat.response_format, vocab)
+        return preparer.tool_format.grammar(chat, vocab) or response_grammar(chat.response_format, vocab)
     except InvalidRequest as e:
         raise InvalidRequest(_renamed(e.message), param=_PARAMS.get(e.param or "", e.param)) from None

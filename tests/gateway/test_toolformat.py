@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from gateway.schemas import ChatCompletionRequest
+from gateway.settings import ToolFormatChoice
 from gateway.toolformat import JsonToolStream, ToolFormat, generic_messages, packaged_template
 from tests.gateway.test_tools import ZEPHYR
 
@@ -17,8 +20,13 @@ def test_each_template_gets_its_format() -> None:
     hermes = packaged_template()
     assert ToolFormat.for_template(hermes).kind == "native"  # it renders tools in the <tool_call> format itself
     chatml = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    assert ToolFormat.for_template(chatml).kind == "hermes"
+    assert ToolFormat.for_template(chatml).kind == "generic"  # as llama-server: no <tool_call> in the template, the generic format
     assert ToolFormat.for_template(ZEPHYR).kind == "generic"
+    assert ToolFormat.for_template(chatml, ToolFormatChoice.HERMES).kind == "hermes"  # KVPOOL_TOOL_FORMAT=hermes
+    assert ToolFormat.for_template(hermes, ToolFormatChoice.HERMES).kind == "native"
+    assert ToolFormat.for_template(hermes, ToolFormatChoice.GENERIC).kind == "generic"
+    with pytest.raises(ValueError, match="ChatML"):
+        ToolFormat.for_template(ZEPHYR, ToolFormatChoice.HERMES)
 
 
 def test_the_hermes_template_ships_inside_the_package() -> None:
