@@ -50,6 +50,14 @@ class Pool:
     def tenant(self, key: str = "key-a"):  # noqa: ANN201
         return Tenants(KEYS, SECRET).resolve(f"Bearer {key}")
 
+    def stop(self, name: str) -> None:
+        """Warm shutdown: the worker withdraws its advert, so no request is routed to it."""
+        self.workers[name].stop()
+
+    def start(self, name: str) -> None:
+        """Start a stopped worker again under its name, with an empty context."""
+        self.workers[name] = WorkerProcess(name, self.env, self.logs / f"{name}.log").start()
+
     def gateway_named(self, model_name: str) -> GatewayProcess:
         """Another gateway in front of the same workers, serving the model under another name; stopped with the pool."""
         env = {**self.env, "KVPOOL_CHAT_TEMPLATE_FILE": str(TOOLS_TEMPLATE), "KVPOOL_MODEL_NAME": model_name}
