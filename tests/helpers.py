@@ -9,7 +9,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -291,28 +291,3 @@ def counter(url: str, name: str, **labels: str) -> float:
             if sample.name == name and sample.labels == labels:
                 return sample.value
     return 0.0
-
-
-@contextmanager
-def kept_busy(client: PoolClient, worker: str, tokens: int = 64) -> Iterator[None]:
-    """While the block runs, ``worker`` is busy with a job of its own, so the gateway routes nothing to it.
-
-    The job goes straight to the worker's private queue under a tenant of its own and
-    generates ``tokens`` tokens with every end-of-generation token banned; the block starts
-    once the worker advertises itself busy, and the job must have finished when it ends.
-    """
-    vocab = client.vocab
-    banned = {t: -100.0 for t in range(vocab.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab._model.vocab, t)}
-    spec = client.spec(client.tokens(prompt_text(0, 12)), tenant="kept-busy", max_tokens=tokens, logit_bias=banned)
-    job = client.submit(spec, worker=worker, attempts=1)
-    poll_until(lambda: any(a.worker == worker and a.busy for a in adverts(client.conn)), f"{worker} never became busy")
-    yield
-    out = client.collect(job)
-    assert out.result is not None and out.result.worker == worker and out.result.usage.completion_tokens == tokens, out.error
-
-
-def poll_until(done: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
