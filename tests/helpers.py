@@ -5,23 +5,30 @@ Fixtures live in the conftests; a test module imports these from here, never fro
 
 from __future__ import annotations
 
+import itertools
+import json
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anthropic
+import httpx
 import llama_cpp
 import numpy as np
 import openai
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.pool.procs import S3_ACCESS_KEY, S3_SECRET_KEY, GatewayProcess, RedisServer, S3Server, WorkerProcess, free_port
 from store.chain import Namespace
 from store.fingerprint import fingerprint_file
 from store.settings import StoreSettings
 from store.store import Store
+from worker.advert import adverts
 from worker.client import events, submit
 from worker.decoding import DecodeMode, choose_mode, decode_step
 from worker.llama_state import evaluate_prompt
@@ -105,10 +112,6 @@ def prompt_text(seed: int, words: int) -> str:
 
 def wait_settled(redis_url: str, timeout_s: float = 30.0) -> None:
     """Poll until every live worker is idle with nothing left to publish: what it evaluated is in the store."""
-    import time
-
-    from worker.advert import adverts
-
     conn = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -127,8 +130,33 @@ def stored_depth(store: Store, ns: Namespace, keys: Sequence[bytes]) -> int:
 MODEL = "kvpool-tiny-s0"
 
 
-def openai_client(gateway: GatewayProcess, api_key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+@dataclass(frozen=True)
+class Tenancy:
+    """A test's own tenant on a gateway that many tests share: the gateway's URL and an API key no other test sends.
+
+    Tenants never share cache entries, so what one test sent never shows up as cached tokens in another's answers.
+    """
+
+    url: str
+    api_key: str
+    redis_url: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.api_key}"}
+
+    def get(self, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.get(self.url + path, headers=self.headers, timeout=120, **kwargs)
+
+    def post(self, path: str, **kwargs: Any) -> httpx.Response:
+        headers = {**self.headers, **kwargs.pop("headers", {})}
+        return httpx.post(self.url + path, headers=headers, timeout=120, **kwargs)
+
+
+def openai_client(gateway: GatewayProcess | Tenancy, api_key: str | None = None) -> openai.OpenAI:
+    """The official client; on a shared gateway (a `Tenancy`) it sends that tenant's key unless told another."""
+    key = api_key or (gateway.api_key if isinstance(gateway, Tenancy) else "unused")
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
 SMOL = "SmolLM2-135M-Instruct.Q4_1"
@@ -229,3 +257,56 @@ def running_pool(redis_server: RedisServer, s3_server: S3Server, model: Path, lo
         pool.gateway.stop()
         for w in pool.workers.values():
             w.kill()
+
+
+@contextmanager
+def private_pool(s3_server: S3Server, model: Path, logs: Path, workers: list[str], **env: str) -> Iterator[Pool]:
+    """`running_pool` on a redis-server of its own: a pool many tests share, which no test's emptying of the session's Redis reaches."""
+    with RedisServer(logs / "redis") as server, running_pool(server, s3_server, model, logs, workers, **env) as pool:
+        yield pool
+
+
+SHARED_TENANTS = 2000
+"""API keys a shared pool's gateways know, one tenant each: more than the tests that use them."""
+
+
+@dataclass
+class SharedPool:
+    """A pool many tests share, with a gateway per chat template; every test gets a tenant (an API key) of its own."""
+
+    pool: Pool
+    gateways: dict[str, GatewayProcess] = field(default_factory=dict)
+    keys: Iterator[int] = field(default_factory=itertools.count)
+
+    def tenancy(self, template: Path | None = None) -> Tenancy:
+        """A fresh tenant on the gateway that renders chats with ``template`` (None: the model's own)."""
+        name = str(template or "")
+        if name not in self.gateways:
+            env, log = {**self.pool.env, "KVPOOL_CHAT_TEMPLATE_FILE": name}, self.pool.logs / f"gateway{len(self.gateways)}.log"
+            self.gateways[name] = GatewayProcess(env, free_port(), log).start() if template else self.pool.gateway
+        key = next(self.keys)
+        assert key < SHARED_TENANTS, "raise SHARED_TENANTS"
+        return Tenancy(self.gateways[name].url, f"sk-test-{key}", self.pool.redis_url)
+
+
+@contextmanager
+def shared_pool(s3_server: S3Server, model: Path, logs: Path, workers: list[str], **env: str) -> Iterator[SharedPool]:
+    """`private_pool` whose gateways know `SHARED_TENANTS` API keys."""
+    keys = json.dumps({f"sk-test-{i}": f"test-{i}" for i in range(SHARED_TENANTS)})
+    with private_pool(s3_server, model, logs, workers, KVPOOL_API_KEYS=keys, **env) as pool:
+        shared = SharedPool(pool)
+        try:
+            yield shared
+        finally:
+            for g in shared.gateways.values():
+                if g is not pool.gateway:
+                    g.stop()
+
+
+def counter(url: str, name: str, **labels: str) -> float:
+    """A counter's value in the gateway's /metrics (0 before it first counts)."""
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return 0.0

@@ -1,4 +1,9 @@
-"""Fixtures for the gateway: a real ``kvpool gateway`` process in front of real workers, and the official openai client."""
+"""Fixtures for the gateway: a real ``kvpool gateway`` process in front of real workers, and the official openai client.
+
+Tests that only send requests and read the answers share one SmolLM2 worker for the whole session
+(`smol_shared`), each as a tenant of its own, so the model loads and self-checks once, not once per
+test. Tests that stop workers or change settings start their own pools (`start_worker`, `start_gateway`).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.pool.procs import GatewayProcess, free_port
-from tests.helpers import TOOLS_TEMPLATE
+from gateway.pool.procs import GatewayProcess, S3Server, free_port
+from tests.helpers import TOOLS_TEMPLATE, SharedPool, Tenancy, shared_pool
 
 
 @pytest.fixture
@@ -25,15 +30,21 @@ def start_gateway(pool_env: dict[str, str], tmp_path: Path) -> Iterator[Callable
         g.stop()
 
 
-@pytest.fixture
-def smol_pool(start_worker, start_gateway, smollm2: Path) -> GatewayProcess:
-    """One worker and a gateway serving the real model, SmolLM2-135M-Instruct (answers that depend on text)."""
-    start_worker("smol-1", KVPOOL_MODEL=str(smollm2))
-    return start_gateway(KVPOOL_MODEL=str(smollm2))
+@pytest.fixture(scope="session")
+def smol_shared(s3_server: S3Server, smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedPool]:
+    """The session's shared SmolLM2 pool, on a Redis of its own (tests that empty the session's Redis never reach it)."""
+    logs = tmp_path_factory.mktemp("smol-shared")
+    with shared_pool(s3_server, smollm2, logs, ["smol-1"]) as shared:
+        yield shared
 
 
 @pytest.fixture
-def smol_tools_pool(start_worker, start_gateway, smollm2: Path) -> GatewayProcess:
-    """SmolLM2 served with a ChatML template that has tools (Hermes <tool_call> blocks, as Qwen2.5's)."""
-    start_worker("smol-1", KVPOOL_MODEL=str(smollm2))
-    return start_gateway(KVPOOL_MODEL=str(smollm2), KVPOOL_CHAT_TEMPLATE_FILE=str(TOOLS_TEMPLATE))
+def smol_pool(smol_shared: SharedPool) -> Tenancy:
+    """SmolLM2-135M-Instruct with its own chat template (answers that depend on text), as a tenant of the shared pool."""
+    return smol_shared.tenancy()
+
+
+@pytest.fixture
+def smol_tools_pool(smol_shared: SharedPool) -> Tenancy:
+    """SmolLM2 served with a ChatML template that has tools (Hermes <tool_call> blocks, as Qwen2.5's), as a tenant of the shared pool."""
+    return smol_shared.tenancy(TOOLS_TEMPLATE)

@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rq.job import Job
 
-from tests.helpers import MODEL, openai_client, prompt_text
+from gateway.pool.procs import GatewayProcess, WorkerProcess
+from tests.helpers import MODEL, openai_client, private_pool, prompt_text
 from worker.advert import adverts
 
 CHAT = "/v1/chat/completions"
@@ -61,10 +62,11 @@ def assert_openai_error(r: httpx.Response, status: int, *needles: str) -> dict:
     return err
 
 
-@pytest.fixture
-def one_worker(start_worker, start_gateway):
-    w = start_worker("w1")
-    return w, start_gateway()
+@pytest.fixture(scope="module")
+def one_worker(s3_server, tiny_model, tmp_path_factory) -> Iterator[tuple[WorkerProcess, GatewayProcess]]:
+    """One tiny worker and a gateway for the tests that only send requests, shared by the module."""
+    with private_pool(s3_server, tiny_model, tmp_path_factory.mktemp("errors"), ["w1"]) as pool:
+        yield pool.workers["w1"], pool.gateway
 
 
 BAD = [

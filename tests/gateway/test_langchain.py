@@ -27,7 +27,13 @@ class GetWeather(BaseModel):
 @pytest.fixture
 def chat(smol_tools_pool) -> langchain_openai.ChatOpenAI:
     return langchain_openai.ChatOpenAI(
-        model=SMOL, base_url=smol_tools_pool.url + "/v1", api_key="unused", temperature=0, max_tokens=120, max_retries=0, timeout=120
+        model=SMOL,
+        base_url=smol_tools_pool.url + "/v1",
+        api_key=smol_tools_pool.api_key,
+        temperature=0,
+        max_tokens=120,
+        max_retries=0,
+        timeout=120,
     )
 
 
@@ -84,7 +90,7 @@ def add(a: int, b: int) -> int:
 def test_bind_tools_on_the_default_model_gives_a_tool_call(smol_pool) -> None:
     """SmolLM2 as it ships (a ChatML template without tools): no template file to set."""
     chat = langchain_openai.ChatOpenAI(
-        model=SMOL, base_url=smol_pool.url + "/v1", api_key="unused", temperature=0, max_retries=0, timeout=120
+        model=SMOL, base_url=smol_pool.url + "/v1", api_key=smol_pool.api_key, temperature=0, max_retries=0, timeout=120
     )
     message = chat.bind_tools([add], tool_choice="any", parallel_tool_calls=False).invoke("What is 2+3?")
     [call] = message.tool_calls

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-import httpx
 import llama_cpp
 import pytest
 
@@ -50,51 +49,48 @@ def test_presence_and_frequency_penalties_are_llama_cpps_and_curb_repetition(smo
 
 
 def test_penalties_outside_their_range_are_400(smol_pool) -> None:
-    url = smol_pool.url + "/v1/chat/completions"
     for field, value in [("presence_penalty", 2.5), ("frequency_penalty", -3), ("frequency_penalty", "1")]:
         body = {"model": SMOL, "messages": [{"role": "user", "content": "hi"}], field: value}
-        assert_openai_error(httpx.post(url, json=body), 400, field)
+        assert_openai_error(smol_pool.post("/v1/chat/completions", json=body), 400, field)
 
 
 def test_tokenize_and_detokenize_use_the_pools_exact_tokenizer(smol_pool, smollm2) -> None:
-    url = smol_pool.url
     text = "<|im_start|>Hello wörld 😀"
     vocab = llama_cpp.Llama(str(smollm2), vocab_only=True, verbose=False)
 
-    ids = httpx.post(url + "/tokenize", json={"content": text}).json()["tokens"]
+    ids = smol_pool.post("/tokenize", json={"content": text}).json()["tokens"]
     assert ids == vocab.tokenize(text.encode(), add_bos=False, special=True)
     assert ids[0] == vocab.token_bos()  # parse_special is on by default, as in llama-server
-    literal = httpx.post(url + "/tokenize", json={"content": text, "parse_special": False}).json()["tokens"]
+    literal = smol_pool.post("/tokenize", json={"content": text, "parse_special": False}).json()["tokens"]
     assert len(literal) > len(ids) and vocab.token_bos() not in literal
 
-    pieces = httpx.post(url + "/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+    pieces = smol_pool.post("/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
     assert [p["id"] for p in pieces] == ids
     assert pieces[0]["piece"] == "<|im_start|>" and pieces[1]["piece"] == "Hello"
     broken = [p["piece"] for p in pieces if isinstance(p["piece"], list)]
     assert b"".join(bytes(b) for b in broken) == " 😀".encode()  # the emoji spans two tokens, neither valid alone
 
-    back = httpx.post(url + "/detokenize", json={"tokens": ids}).json()
+    back = smol_pool.post("/detokenize", json={"tokens": ids}).json()
     assert back == {"content": text, "prompt": text}  # llama-server's field and vLLM's
 
     # Counting against the tokenizer gives the prompt tokens the API reports.
     client = openai_client(smol_pool)
     r = client.completions.create(model=SMOL, prompt="Count me, please.", max_tokens=1)
-    counted = httpx.post(url + "/tokenize", json={"content": "Count me, please.", "add_special": True, "parse_special": False}).json()[
+    counted = smol_pool.post("/tokenize", json={"content": "Count me, please.", "add_special": True, "parse_special": False}).json()[
         "tokens"
     ]
     assert r.usage.prompt_tokens == len(counted)
 
 
 def test_bad_tokenizer_requests_are_openai_style_errors(smol_pool) -> None:
-    url = smol_pool.url
-    assert_openai_error(httpx.post(url + "/tokenize", json={"content": 5}), 400, "content")
-    assert_openai_error(httpx.post(url + "/tokenize", json={"content": "x", "with_pieces": "yes"}), 400, "with_pieces")
-    assert_openai_error(httpx.post(url + "/tokenize", json={"content": "x", "model": "gpt-9"}), 404, "gpt-9")
+    assert_openai_error(smol_pool.post("/tokenize", json={"content": 5}), 400, "content")
+    assert_openai_error(smol_pool.post("/tokenize", json={"content": "x", "with_pieces": "yes"}), 400, "with_pieces")
+    assert_openai_error(smol_pool.post("/tokenize", json={"content": "x", "model": "gpt-9"}), 404, "gpt-9")
     surrogate = b'{"content": "a \\ud800"}'
-    assert_openai_error(httpx.post(url + "/tokenize", content=surrogate, headers={"content-type": "application/json"}), 400, "surrogate")
-    assert_openai_error(httpx.post(url + "/detokenize", json={"tokens": [1, 10**9]}), 400, "token ids")
-    assert_openai_error(httpx.post(url + "/detokenize", json={"tokens": ["a"]}), 400, "tokens")
-    assert_openai_error(httpx.post(url + "/detokenize", json={}), 400, "tokens")
+    assert_openai_error(smol_pool.post("/tokenize", content=surrogate, headers={"content-type": "application/json"}), 400, "surrogate")
+    assert_openai_error(smol_pool.post("/detokenize", json={"tokens": [1, 10**9]}), 400, "token ids")
+    assert_openai_error(smol_pool.post("/detokenize", json={"tokens": ["a"]}), 400, "tokens")
+    assert_openai_error(smol_pool.post("/detokenize", json={}), 400, "tokens")
 
 
 def test_n_choices_are_sampled_from_one_prompt_evaluation(smol_pool) -> None:

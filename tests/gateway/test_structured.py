@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
 import pytest
 
@@ -108,15 +107,15 @@ def test_a_schema_the_grammar_cannot_enforce_is_400_naming_the_part(smol_pool, s
         "messages": ask("hi"),
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
     }
-    err = assert_openai_error(httpx.post(smol_pool.url + "/v1/chat/completions", json=body), 400, where)
+    err = assert_openai_error(smol_pool.post("/v1/chat/completions", json=body), 400, where)
     assert err["param"] == "response_format"
 
 
 def test_bad_response_formats_are_400(smol_pool) -> None:
-    url = smol_pool.url + "/v1/chat/completions"
-
     def bad(fmt: object, *needles: str) -> None:
-        assert_openai_error(httpx.post(url, json={"model": SMOL, "messages": ask("hi"), "response_format": fmt}), 400, *needles)
+        assert_openai_error(
+            smol_pool.post("/v1/chat/completions", json={"model": SMOL, "messages": ask("hi"), "response_format": fmt}), 400, *needles
+        )
 
     bad({"type": "xml"}, "response_format.type")
     bad("json", "response_format")

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
 import pytest
 
 from tests.gateway.test_errors import assert_openai_error
-from tests.helpers import SMOL, openai_client
+from tests.helpers import SMOL, Tenancy, openai_client
 
 WEATHER = {
     "type": "function",
@@ -110,7 +109,7 @@ def test_the_default_model_gets_tools_without_a_template_of_its_own(smol_pool) -
     auto = client.chat.completions.create(model=SMOL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=40)
     assert auto.choices[0].message.content or auto.choices[0].message.tool_calls
     # Without tools, the model's own template renders the prompt, to the token (its own default system turn).
-    plain = httpx.post(smol_pool.url + "/tokenize", json={"content": SMOL_PROMPT.format(question=ASK[0]["content"])}).json()["tokens"]
+    plain = smol_pool.post("/tokenize", json={"content": SMOL_PROMPT.format(question=ASK[0]["content"])}).json()["tokens"]
     usage = client.chat.completions.create(model=SMOL, messages=ASK, max_tokens=1).usage
     assert usage.prompt_tokens == len(plain)
 
@@ -127,11 +126,10 @@ ZEPHYR = (
 
 
 @pytest.fixture
-def smol_generic_pool(start_worker, start_gateway, smollm2, tmp_path) -> object:
+def smol_generic_pool(smol_shared, tmp_path) -> Tenancy:
     template = tmp_path / "zephyr.jinja"
     template.write_text(ZEPHYR)
-    start_worker("smol-1", KVPOOL_MODEL=str(smollm2))
-    return start_gateway(KVPOOL_MODEL=str(smollm2), KVPOOL_CHAT_TEMPLATE_FILE=str(template))
+    return smol_shared.tenancy(template)
 
 
 def test_a_template_neither_chatml_nor_with_tools_gets_the_generic_json_format(smol_generic_pool) -> None:
@@ -220,4 +218,4 @@ BAD = [
 @pytest.mark.parametrize("extra,needles", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_tool_requests_are_400(smol_tools_pool, extra: dict, needles: list[str]) -> None:
     body = {"model": SMOL, "messages": ASK, "max_tokens": 4, **extra}
-    assert_openai_error(httpx.post(smol_tools_pool.url + "/v1/chat/completions", json=body), 400, *needles)
+    assert_openai_error(smol_tools_pool.post("/v1/chat/completions", json=body), 400, *needles)
