@@ -84,8 +84,11 @@ def decoded_logits(llm: llama_cpp.Llama, prompt: list[int], answer: list[int], m
     (None: evaluated with the prompt, as a cold evaluation of both does). Leaves the context empty."""
     try:
         llm.reset()
-        evaluate_prompt(llm, prompt if mode else prompt + answer, 0)
-        for token in answer if mode else ():
+        if mode is None:
+            evaluate_prompt(llm, prompt + answer, 0)
+            return last_logits(llm)
+        evaluate_prompt(llm, prompt, 0)
+        for token in answer:
             decode_step(llm, token, mode)
         return last_logits(llm)
     finally:
@@ -107,7 +110,7 @@ def choose_mode(llm: llama_cpp.Llama, wanted: str, seed: int = 1) -> tuple[Decod
     tokens = [int(t) for t in rng.integers(3, llm.n_vocab(), CHECK_PROMPT + CHECK_STEPS)]
     prompt, answer = tokens[:CHECK_PROMPT], tokens[CHECK_PROMPT:]
     cold = decoded_logits(llm, prompt, answer, None)
-    failed = []
+    failed: list[str] = []
     for mode in [DecodeMode(wanted)] if wanted != "auto" else [DecodeMode.SINGLE, DecodeMode.PAIR]:
         if np.array_equal(decoded_logits(llm, prompt, answer, mode), cold):
             return mode, f"{mode} decoding matches a cold evaluation" + (f" ({', '.join(failed)} does not)" if failed else "")

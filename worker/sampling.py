@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import llama_cpp
@@ -113,7 +113,7 @@ def _one(
     return out
 
 
-def _sampled(llm: llama_cpp.Llama, s: SamplingParams, grammar: llama_cpp.LlamaGrammar | None, step: Step) -> Iterator[int]:
+def _sampled(llm: llama_cpp.Llama, s: SamplingParams, grammar: llama_cpp.LlamaGrammar | None, step: Step) -> Generator[int, None, None]:
     """Tokens sampled one after the other from the evaluated prompt, each decoded by ``step`` before the next is sampled.
 
     The sampler chain is llama-cpp-python's (`Llama.generate` builds the same one); the
