@@ -19,7 +19,7 @@ import pytest
 
 from gateway.tokenizer import Tokenizer
 from tests.gateway.responses_pool import Pool, responses_pool
-from tests.gateway.test_sampling_api import cold_generate
+from tests.gateway.test_sampling_api import cold_text
 from tests.helpers import SMOL, TOOLS_TEMPLATE, prompt_text, wait_settled
 
 BRIEF = "Answer in one short sentence."
@@ -200,7 +200,7 @@ def test_a_follow_up_continues_the_stored_token_ids_exactly(pool, tok, smol_llm)
     assert follow.usage.input_tokens == b.n_prompt
     assert follow.model_extra["kvpool"]["continued_tokens"] == len(a.tokens)
     # ... and the answer is what the model says for that prompt, evaluated from scratch.
-    assert follow.output_text == cold_generate(smol_llm, b.tokens[: b.n_prompt], 24)
+    assert follow.output_text == cold_text(smol_llm, b.tokens[: b.n_prompt], 24)
 
 
 def test_new_instructions_render_the_conversation_again(pool, tok) -> None:
