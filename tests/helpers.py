@@ -77,16 +77,13 @@ def cold_greedy(llm: llama_cpp.Llama, tokens: list[int], n: int) -> list[int]:
     return cold_generate(llm, tokens, n, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0)
 
 
-_DECODE_MODES: dict[int, DecodeMode] = {}
-
-
 def cold_generate(llm: llama_cpp.Llama, tokens: list[int], n: int, **sampling: float) -> list[int]:
     """What a worker answers: the prompt evaluated from scratch in the worker's batches, then each token sampled by
     llama-cpp-python's sampler chain (``sampling`` as `Llama.generate` takes it) and decoded so that its cells are a
     cold evaluation's, as the worker does (`worker.decoding`); stops at end-of-generation or ``n`` tokens."""
-    mode = _DECODE_MODES.get(id(llm))
-    if mode is None:
-        mode = _DECODE_MODES[id(llm)] = choose_mode(llm, "auto")[0]
+    mode: DecodeMode | None = getattr(llm, "kvpool_decode_mode", None)
+    if mode is None:  # checked once per model object (an id could be reused by another model once this one is freed)
+        mode = llm.kvpool_decode_mode = choose_mode(llm, "auto")[0]
     llm.reset()
     evaluate_prompt(llm, tokens, 0)  # so the last batch never holds a lone token
     llm._sampler = llm._init_sampler(**sampling)
