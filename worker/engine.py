@@ -31,6 +31,7 @@ ends the usable prefix where it starts, and publish errors are logged and counte
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -45,22 +46,17 @@ from worker import metrics
 from worker.decoding import DecodeMode, choose_mode, complete_answer, decode_step
 from worker.errors import JobRejected
 from worker.leases import EvalRate, Leases
-from worker.llama_state import (
-    CACHE_TYPE_NAMES,
-    ContextCache,
-    context_cache,
-    evaluate_prompt,
-    open_llama,
-    read_seq_state,
-)
+from worker.llama_state import CACHE_TYPE_NAMES, ContextCache, context_cache, evaluate_prompt, read_seq_state
 from worker.namespace import SHARED_KERNELS, cache_format, kernels_field, worker_kernels
 from worker.prefix import Plan, PrefixFinder
-from worker.protocol import Breakpoint, ChoiceResult, JobResult, JobSpec, Timings, TokenEvent, Usage
+from worker.protocol import Breakpoint, JobResult, JobSpec, Timings, TokenEvent, Usage
 from worker.publisher import Publisher
-from worker.sampling import Output, sample_choices
+from worker.sampling import Output, job_result, sample_choices
 from worker.scoring import score_prompt
+from worker.sequence import SeqView
 from worker.settings import WorkerSettings
 from worker.settle import settle
+from worker.slots import open_context
 
 log = logging.getLogger("kvpool.worker")
 
@@ -75,17 +71,9 @@ class Engine(PrefixFinder):
         self.store = store
         self.model_path = model_path
         self.fingerprint = fingerprint_file(model_path)
-        self.llm = open_llama(
-            model_path,
-            flash_attn=settings.flash_attn,
-            type_k=settings.type_k,
-            type_v=settings.type_v,
-            n_ctx=settings.n_ctx,
-            n_batch=settings.n_batch,
-            n_threads=settings.n_threads,
-            n_threads_batch=settings.threads_batch(),
-            n_gpu_layers=settings.n_gpu_layers,
-        )
+        self.llm, self.batcher = open_context(settings, model_path)
+        self.owner = True
+        """This engine opened the context and closes it (the other sequences' engines share it: `worker.slots`)."""
         self.kv: ContextCache = context_cache(self.llm)
         self.kernels = worker_kernels(settings)
         self.layout = cache_format(
@@ -158,7 +146,21 @@ class Engine(PrefixFinder):
         self.exact_upto = 0
         self.llm.reset()
 
+    def for_sequence(self, seq: int, name: str) -> Engine:
+        """The engine of another sequence of this engine's shared context (`worker.slots`): model, store, publisher,
+        leases and start-up verdicts shared, the sequence's cells and pending publishes its own."""
+        assert self.batcher is not None
+        other = copy.copy(self)
+        other.llm = SeqView(self.batcher, seq, self.settings.parallel, self.settings.n_ctx)
+        other.name, other.owner, other._pending, other._deferred = name, False, None, None
+        other.forget_context()
+        return other
+
     def close(self) -> None:
+        if not self.owner:
+            return
+        if self.batcher is not None:
+            self.batcher.close()
         if self.publisher is not None:
             self.publisher.close()
         if self.leases is not None:
@@ -186,7 +188,10 @@ class Engine(PrefixFinder):
             scored = self._evaluate(spec, tokens, plan.start)
             self.eval_rate.observe(len(tokens) - plan.start, time.perf_counter() - t_eval)
             self.context_tenant, self.exact_upto = spec.tenant_salt, len(tokens)
-            outs = self._generate(spec, emit, lambda: self._publish_or_defer(spec, ns, tokens, plan))
+            try:
+                outs = self._generate(spec, emit, lambda: self._publish_or_defer(spec, ns, tokens, plan))
+            finally:
+                self._done_generating()
             out = outs[0]
             if self.decode.exact:  # the context holds the last choice's cells, each what a cold evaluation holds
                 self.exact_upto = self.llm.n_tokens
@@ -251,30 +256,15 @@ class Engine(PrefixFinder):
 
     def _result(self, spec: JobSpec, plan: Plan, outs: list[Output], timings: Timings, scored: list[TokenEvent] | None) -> JobResult:
         n = len(spec.tokens)
-        out, want_lp = outs[0], spec.sampling.logprobs is not None
-        return JobResult(
-            text=out.text,
-            finish_reason=out.finish,
-            tokens=out.tokens,
-            usage=Usage(
-                prompt_tokens=n,
-                completion_tokens=sum(len(o.tokens) for o in outs),
-                cached_tokens=plan.start,
-                cached_from_context=plan.cached_context,
-                cached_from_store=plan.cached_store,
-                evaluated_tokens=n - plan.start,
-            ),
-            timings=timings,
-            worker=self.name,
-            store_status=plan.store_status,
-            stop_sequence=out.stop_sequence,
-            logprobs=out.logprobs if want_lp else None,
-            extra_choices=[
-                ChoiceResult(index=o.index, text=o.text, finish_reason=o.finish, tokens=o.tokens, logprobs=o.logprobs if want_lp else None)
-                for o in outs[1:]
-            ],
-            prompt_logprobs=scored,
+        usage = Usage(
+            prompt_tokens=n,
+            completion_tokens=sum(len(o.tokens) for o in outs),
+            cached_tokens=plan.start,
+            cached_from_context=plan.cached_context,
+            cached_from_store=plan.cached_store,
+            evaluated_tokens=n - plan.start,
         )
+        return job_result(spec, outs, usage, timings, scored, worker=self.name, store_status=plan.store_status)
 
     def _validate(self, spec: JobSpec) -> None:
         if spec.model != self.fingerprint:
@@ -362,6 +352,7 @@ class Engine(PrefixFinder):
         if self.decode.exact and self._pending is not None:
             (ns, tokens, generated), self._pending = self._pending, None
             held = self._complete_answer(tokens, generated)
+            self._done_generating()
             if held is not None:
                 deferred = (ns, held) if self.restore_enabled else None
         if deferred is None or self.publisher is None:
@@ -369,6 +360,11 @@ class Engine(PrefixFinder):
         state = self._snapshot()
         if state is not None:
             self.publisher.submit(*deferred, state)
+
+    def _done_generating(self) -> None:
+        """A sequence of a shared context: the batcher need not wait for its next step."""
+        if isinstance(self.llm, SeqView):
+            self.llm.done_generating()
 
     def _complete_answer(self, tokens: list[int], generated: list[int]) -> list[int] | None:
         """Prompt plus answer once the context holds both exactly (`worker.decoding.complete_answer`), else None."""

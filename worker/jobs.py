@@ -2,7 +2,7 @@
 
 The gateway enqueues ``worker.jobs.run_job`` with a `JobSpec` as a dict. It runs inside
 a kvpool worker process, which loaded the model once at start-up and registered its
-engine here with `set_engine`.
+engine here with `bind` (one per sequence, in the thread that runs its RQ worker).
 """
 
 from __future__ import annotations
@@ -32,15 +32,16 @@ STREAM_MAXLEN = 4096
 STREAM_BACKOFF_CAP_S = 0.5
 """The longest wait between two tries at writing events while Redis is away: the tokens wait for it once Redis is back."""
 
-_engine: Engine | None = None
+_bound = threading.local()
+"""The engine of the RQ worker running in this thread (one per sequence, `worker.slots`)."""
 
 STOPPING = threading.Event()
 """Set when the worker process is asked to stop: a job's stream no longer waits for an unreachable Redis (nothing it writes could be read)."""
 
 
-def set_engine(engine: Engine | None) -> None:
-    global _engine
-    _engine = engine
+def bind(engine: Engine | None) -> None:
+    """Jobs run in this thread from now on answer with ``engine``."""
+    _bound.engine = engine
 
 
 class JobStream:
@@ -92,9 +93,9 @@ class JobStream:
 def run_job(spec: dict) -> dict:
     """Answer one completion job; returns the `JobResult` as a dict (also sent as the stream's last event)."""
     job = get_current_job()
-    if job is None or _engine is None:
+    engine: Engine | None = getattr(_bound, "engine", None)
+    if job is None or engine is None:
         raise RuntimeError("run_job runs only inside a kvpool worker (kvpool worker)")
-    engine = _engine
     stream = JobStream(job.connection, job.id, engine.settings.stream_ttl_s, engine.settings.stream_interval_ms / 1000)
     attempt = engine.settings.job_attempts - (job.retries_left or 0)
     stream.send(StartEvent(attempt=attempt, worker=engine.name))

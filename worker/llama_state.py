@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import llama_cpp
 import numpy as np
@@ -36,6 +36,10 @@ from worker.kvstate import (
     describe_state,
     state_cell_count,
 )
+from worker.sequence import SeqView, open_streams
+
+Llama: TypeAlias = llama_cpp.Llama | SeqView
+"""A context of its own, or one sequence of a shared one (`worker.sequence`)."""
 
 CACHE_TYPES: dict[str, int] = {
     "f32": GGML_TYPE_F32,
@@ -86,20 +90,23 @@ def open_llama(
     n_batch: int = 512,
     n_threads: int | None = None,
     verbose: bool = False,
+    n_seq: int = 1,
     **kwargs: Any,
 ) -> llama_cpp.Llama:
     """A ``Llama`` with the given KV layout. ``type_v`` defaults to ``type_k``.
 
     llama-cpp-python 0.3.36 maps ``flash_attn`` to ``flash_attn_type`` ENABLED/DISABLED
     (never AUTO), so the V layout is fixed by this flag: off means V is stored transposed.
+    With ``n_seq`` > 1 the context holds that many sequences of ``n_ctx`` cells each, each
+    in a KV stream of its own (`worker.batcher`).
     """
     k = cache_type_id(type_k)
     v = k if type_v is None else cache_type_id(type_v)
     if _is_quantized(v) and not flash_attn:
         raise ValueError("a quantized V cache requires flash attention")
-    return llama_cpp.Llama(
+    llm = llama_cpp.Llama(
         model_path=str(model_path),
-        n_ctx=n_ctx,
+        n_ctx=n_ctx if n_seq == 1 else 64,
         n_batch=n_batch,
         n_threads=n_threads,
         flash_attn=flash_attn,
@@ -108,6 +115,9 @@ def open_llama(
         verbose=verbose,
         **kwargs,
     )
+    if n_seq > 1:
+        open_streams(llm, n_seq, n_ctx, n_batch)
+    return llm
 
 
 @dataclass(frozen=True)
@@ -144,7 +154,7 @@ class ContextCache:
         return self.state_layout.bytes_per_token
 
 
-def context_cache(llm: llama_cpp.Llama) -> ContextCache:
+def context_cache(llm: Llama) -> ContextCache:
     """The KV layout of ``llm``'s context.
 
     ``attn_rot_*`` reflect ``LLAMA_ATTN_ROT_DISABLE`` as it is now; llama.cpp read it when
@@ -178,8 +188,6 @@ def context_cache(llm: llama_cpp.Llama) -> ContextCache:
         llama_cpp.LLAMA_ROPE_TYPE_VISION,
     ):
         reason = "multi-dimensional positions are not one per token"
-    elif params.n_seq_max > 1 and not params.kv_unified:
-        reason = "the cache has one stream per sequence"
 
     return ContextCache(
         type_k=type_k,
@@ -196,22 +204,33 @@ def context_cache(llm: llama_cpp.Llama) -> ContextCache:
     )
 
 
-def read_seq_state(llm: llama_cpp.Llama, seq_id: int = 0) -> bytearray:
-    """``llama_state_seq_get_data`` for one sequence (flags 0), written straight into the returned buffer."""
-    size = llama_cpp.llama_state_seq_get_size(llm.ctx, seq_id)
+def read_seq_state(llm: Llama, seq_id: int = 0) -> bytearray:
+    """``llama_state_seq_get_data`` for one sequence (flags 0), as a single-stream blob (`worker.sequence`)."""
+    if isinstance(llm, SeqView):
+        return llm.read_state(_read_state)
+    return _read_state(llm.ctx, seq_id)
+
+
+def _read_state(ctx: Any, seq_id: int) -> bytearray:
+    size = llama_cpp.llama_state_seq_get_size(ctx, seq_id)
     if size == 0:
         raise StateReadError(f"llama_state_seq_get_size failed for sequence {seq_id}")
     out = bytearray(size)
     target = (ctypes.c_uint8 * size).from_buffer(out)
-    written = llama_cpp.llama_state_seq_get_data(llm.ctx, target, size, seq_id)
+    written = llama_cpp.llama_state_seq_get_data(ctx, target, size, seq_id)
     del target  # release the export, so the buffer is an ordinary bytearray again
     if written != size:
         raise StateReadError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
     return out
 
 
-def clear_seq(llm: llama_cpp.Llama, seq_id: int = 0) -> None:
-    """Remove every cell of the sequence; for sequence 0 also reset the wrapper's token record."""
+def clear_seq(llm: Llama, seq_id: int = 0) -> None:
+    """Remove every cell of the sequence; for sequence 0 (or a view's own) also reset the wrapper's token record."""
+    if isinstance(llm, SeqView):
+        with llm.locked():
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.batcher.llm.ctx), llm.seq, -1, -1)
+        llm.reset()
+        return
     mem = llama_cpp.llama_get_memory(llm.ctx)
     if mem is not None:
         llama_cpp.llama_memory_seq_rm(mem, seq_id, -1, -1)
@@ -220,7 +239,7 @@ def clear_seq(llm: llama_cpp.Llama, seq_id: int = 0) -> None:
         llm._requires_eval = True  # generate() must decode before it samples
 
 
-def restore_seq_state(llm: llama_cpp.Llama, state: Buffer, tokens: Sequence[int], seq_id: int = 0, *, check: bool = True) -> None:
+def restore_seq_state(llm: Llama, state: Buffer, tokens: Sequence[int], seq_id: int = 0, *, check: bool = True) -> None:
     """Load ``state`` into sequence ``seq_id`` and record ``tokens`` as what it holds.
 
     The sequence is cleared first. llama.cpp returns the bytes it consumed and ignores
@@ -243,24 +262,33 @@ def restore_seq_state(llm: llama_cpp.Llama, state: Buffer, tokens: Sequence[int]
     if n == 0:
         return
 
-    _keep_alive, src = _as_uint8_pointer(state)
-    consumed = llama_cpp.llama_state_seq_set_data(llm.ctx, src, len(state), seq_id)
-    if consumed != len(state):
-        clear_seq(llm, seq_id)
-        raise StateRestoreError(
-            f"llama_state_seq_set_data consumed {consumed} of {len(state)} bytes"
-            + (" (rejected; see llama.cpp's log)" if consumed == 0 else " (trailing bytes)")
-        )
+    if isinstance(llm, SeqView):
+        llm.write_state(_write_state, state)
+        ctx, seq_id = llm.batcher.llm.ctx, llm.seq
+    else:
+        _write_state(llm.ctx, state, seq_id)
+        ctx = llm.ctx
     if check:
-        mem = llama_cpp.llama_get_memory(llm.ctx)
+        mem = llama_cpp.llama_get_memory(ctx)
         lo = llama_cpp.llama_memory_seq_pos_min(mem, seq_id)
         hi = llama_cpp.llama_memory_seq_pos_max(mem, seq_id)
         if (lo, hi) != (0, n - 1):
             clear_seq(llm, seq_id)
             raise StateRestoreError(f"restored positions {lo}..{hi}, expected 0..{n - 1}")
-    if seq_id == 0:
+    if seq_id == 0 or isinstance(llm, SeqView):
         llm.input_ids[:n] = tokens
         llm.n_tokens = n
+
+
+def _write_state(ctx: Any, state: Buffer, seq_id: int) -> None:
+    _keep_alive, src = _as_uint8_pointer(state)
+    consumed = llama_cpp.llama_state_seq_set_data(ctx, src, len(state), seq_id)
+    if consumed != len(state):
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), seq_id, -1, -1)
+        raise StateRestoreError(
+            f"llama_state_seq_set_data consumed {consumed} of {len(state)} bytes"
+            + (" (rejected; see llama.cpp's log)" if consumed == 0 else " (trailing bytes)")
+        )
 
 
 def batch_sizes(n: int, n_batch: int) -> list[int]:
@@ -281,7 +309,7 @@ def batch_sizes(n: int, n_batch: int) -> list[int]:
     return sizes
 
 
-def evaluate_prompt(llm: llama_cpp.Llama, tokens: Sequence[int], start: int) -> None:
+def evaluate_prompt(llm: Llama, tokens: Sequence[int], start: int) -> None:
     """Decode ``tokens[start:]`` after the ``start`` cells the context holds, in `batch_sizes` batches.
 
     The context must hold ``tokens[:start]`` at positions ``0..start-1``; cells past
@@ -298,7 +326,7 @@ def evaluate_prompt(llm: llama_cpp.Llama, tokens: Sequence[int], start: int) -> 
         pos += size
 
 
-def evaluate_all_logits(llm: llama_cpp.Llama, tokens: Sequence[int]) -> Iterator[tuple[int, np.ndarray]]:
+def evaluate_all_logits(llm: Llama, tokens: Sequence[int]) -> Iterator[tuple[int, np.ndarray]]:
     """Decode ``tokens`` from an empty context with the logits of every position; yields (first position, logits) per batch.
 
     The logits are a view into llama.cpp's buffer, valid until the next batch is decoded.
@@ -306,6 +334,11 @@ def evaluate_all_logits(llm: llama_cpp.Llama, tokens: Sequence[int]) -> Iterator
     n_vocab = llm.n_vocab()
     n_batch = min(llm.n_batch, int(llm.context_params.n_ubatch))
     llm.n_tokens = 0
+    if isinstance(llm, SeqView):
+        for size in batch_sizes(len(tokens), n_batch):
+            pos = llm.n_tokens
+            yield pos, llm.decode_rows(tokens[pos : pos + size])
+        return
     llm._ctx.kv_cache_seq_rm(-1, 0, -1)  # as Llama.eval does before it decodes
     pos = 0
     for size in batch_sizes(len(tokens), n_batch):
@@ -319,13 +352,15 @@ def evaluate_all_logits(llm: llama_cpp.Llama, tokens: Sequence[int]) -> Iterator
     llm._requires_eval = False
 
 
-def last_logits(llm: llama_cpp.Llama) -> np.ndarray:
+def last_logits(llm: Llama) -> np.ndarray:
     """A copy of the logits of the last decoded token (float32, one per vocabulary entry)."""
+    if isinstance(llm, SeqView):
+        return llm.logits.copy()
     ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
     return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
 
 
-def is_end_of_generation(llm: llama_cpp.Llama, token: int) -> bool:
+def is_end_of_generation(llm: Llama, token: int) -> bool:
     return bool(llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(llm.model), token))
 
 

@@ -43,6 +43,7 @@ from rq import Queue, SimpleWorker, worker_registration
 from rq.exceptions import StopRequested
 from rq.job import Job
 from rq.registry import StartedJobRegistry
+from rq.timeouts import TimerDeathPenalty
 from rq.utils import now, utcparse
 from rq.worker import WorkerStatus
 
@@ -55,7 +56,7 @@ from worker.engine import Engine
 from worker.errors import WorkerNameTaken
 from worker.health import Health, self_check_outcome, serve
 from worker.models.fetch import resolve_model
-from worker.protocol import WORKER_QUEUE_PREFIX, worker_queue
+from worker.protocol import WORKER_QUEUE_PREFIX, slot_names, worker_queue
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("kvpool.worker")
@@ -67,6 +68,8 @@ STALE_S = 30.0
 
 
 class KvpoolWorker(SimpleWorker):
+    live: set[KvpoolWorker] = set()
+    """This process's RQ workers, one per sequence (`worker.slots`): a stop request reaches all of them."""
     heartbeat_s: float = 2.0
     engine: Engine | None = None
     busy: bool = False
@@ -75,9 +78,18 @@ class KvpoolWorker(SimpleWorker):
     """Between two attempts to reach Redis (`_wait_for_redis`)."""
     health: Health | None = None
 
+    def _install_signal_handlers(self) -> None:
+        """Only the main thread's worker takes signals; it passes a stop on to the others (`request_stop`)."""
+        if threading.current_thread() is threading.main_thread():
+            super()._install_signal_handlers()  # type: ignore[no-untyped-call]
+        else:
+            self.death_penalty_class = TimerDeathPenalty  # SIGALRM reaches only the main thread
+
     def request_stop(self, signum, frame):  # type: ignore[no-untyped-def]
         self.stopping = True
         jobs.STOPPING.set()
+        for other in list(KvpoolWorker.live - {self}):  # the other sequences' workers: finish the job, then stop
+            other.stopping = other._stop_requested = True
         if self.health is not None:
             self.health.stopping()
         if self.waiting:  # Redis is away: no job runs and nothing can be handed back, so the wait ends now
@@ -128,7 +140,6 @@ class KvpoolWorker(SimpleWorker):
         if self.health is not None:
             self.health.registered(True)
         if self.engine is not None:
-            metrics.BUSY.labels(**self.engine.labels).set(0)
             log.info(
                 "worker.ready",
                 extra={
@@ -152,7 +163,7 @@ class KvpoolWorker(SimpleWorker):
         execution = self.prepare_execution(job)
         self.busy = True
         if self.engine is not None:
-            metrics.BUSY.labels(**self.engine.labels).set(1)
+            metrics.BUSY.labels(**self.engine.labels).inc()
         self.advertise(busy=True)
         done = threading.Event()
 
@@ -174,7 +185,7 @@ class KvpoolWorker(SimpleWorker):
         self.set_state(WorkerStatus.IDLE)
         self.busy = False
         if self.engine is not None:
-            metrics.BUSY.labels(**self.engine.labels).set(0)
+            metrics.BUSY.labels(**self.engine.labels).dec()
         self.advertise(busy=False)
 
     def run_maintenance_tasks(self) -> None:
@@ -239,13 +250,13 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def build_worker(settings: WorkerSettings) -> KvpoolWorker:
-    """The RQ worker, its name claimed in Redis; the model is not loaded yet."""
-    name = settings.worker_name or f"{socket.gethostname()}-{os.getpid()}"
+def build_worker(settings: WorkerSettings, name: str) -> KvpoolWorker:
+    """The RQ worker of one sequence; the model is not loaded yet."""
     conn = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=settings.connect_timeout_s, health_check_interval=10)
     queues = [Queue(worker_queue(name), connection=conn), Queue(settings.queue, connection=conn)]
     worker = KvpoolWorker(queues, connection=conn, name=name, worker_ttl=20, maintenance_interval=5, log_job_description=False)
     worker.heartbeat_s = settings.heartbeat_s
+    KvpoolWorker.live.add(worker)
     return worker
 
 
@@ -253,9 +264,11 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
     health = Health(ping=redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1, socket_timeout=1).ping)
     if settings.metrics_port is not None:
         serve(health, settings.metrics_port)  # /healthz answers while the model loads
-    worker = _wait_for_redis(lambda: build_worker(settings))
-    worker.health = health
-    _wait_for_redis(worker.claim_name)
+    names = slot_names(settings.worker_name or f"{socket.gethostname()}-{os.getpid()}", settings.parallel)
+    workers = [_wait_for_redis(lambda n=n: build_worker(settings, n)) for n in names]
+    for w in workers:
+        w.health = health if w is workers[0] else None
+        _wait_for_redis(w.claim_name)
     log.info(
         "worker.threads",
         extra={
@@ -263,32 +276,52 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
             "n_threads_batch": settings.threads_batch(),
             "cpus": available_cpus(),
             "openmp": openmp_wait(),
+            "parallel": settings.parallel,
         },
     )
-    engine = Engine(settings, resolve_model(settings), store=open_store(settings), name=worker.name)
-    jobs.set_engine(engine)
+    engine = Engine(settings, resolve_model(settings), store=open_store(settings), name=names[0])
+    engines = [engine, *(engine.for_sequence(seq, name) for seq, name in enumerate(names[1:], start=1))]
+    metrics.BUSY.labels(**engine.labels).set(0)
     outcome, passed = self_check_outcome(engine.kv.cuttable, settings.self_check, engine.restore_enabled, engine.exact)
     health.model_loaded(self_check=outcome, passed=passed, identity={"layout": engine.layout.canonical(), **engine.identity()})
+    others = [
+        threading.Thread(target=_serve, args=(settings, w, e, None, burst), name=f"kvpool-{w.name}")
+        for w, e in zip(workers[1:], engines[1:], strict=True)
+    ]
+    for t in others:
+        t.start()
+    try:
+        _serve(settings, workers[0], engine, health, burst)
+    finally:
+        for t in others:
+            t.join()
+        engine.close()
+
+
+def _serve(settings: WorkerSettings, worker: KvpoolWorker, engine: Engine, health: Health | None, burst: bool) -> None:
+    """One sequence's RQ worker loop, through Redis outages, until it is stopped (or, in burst mode, the queues are empty)."""
     redis_away = False
+    jobs.bind(engine)
     try:
         while True:
             worker.engine = engine
             _wait_for_redis(lambda worker=worker: worker.work(burst=burst, with_scheduler=False, logging_level=_log_level()), worker)
-            health.registered(False)
+            if health is not None:
+                health.registered(False)
             if burst or worker.stopping:
                 break
             log.warning("worker.restarting", extra={"worker": worker.name, "reason": "the RQ loop ended (Redis lost?)"})
             _pause(worker, 1.0)  # a loop that keeps ending must not spin
-            worker = _wait_for_redis(lambda: build_worker(settings), worker)  # the old worker still holds the signal handlers
+            KvpoolWorker.live.discard(worker)
+            worker = _wait_for_redis(lambda name=worker.name: build_worker(settings, name), worker)  # the old one holds the signal handlers
             worker.health = health
     except StopRequested:
         redis_away = True
         log.info("worker.stopped", extra={"worker": worker.name, "redis": "unreachable"})
     finally:
+        KvpoolWorker.live.discard(worker)
         if not redis_away:
             _leave(worker)
-        engine.close()
-        jobs.set_engine(None)
 
 
 def _leave(worker: KvpoolWorker) -> None:

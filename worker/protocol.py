@@ -211,3 +211,8 @@ class ErrorEvent(BaseModel):
 
 
 JobResult.model_rebuild()
+
+
+def slot_names(name: str, parallel: int) -> list[str]:
+    """The RQ worker names of a worker's sequences: its own name when it has one, ``name.0`` ... otherwise."""
+    return [name] if parallel == 1 else [f"{name}.{i}" for i in range(parallel)]

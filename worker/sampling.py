@@ -21,7 +21,7 @@ import llama_cpp
 import numpy as np
 
 from worker.llama_state import is_end_of_generation, last_logits
-from worker.protocol import FinishReason, JobSpec, SamplingParams, TokenEvent
+from worker.protocol import ChoiceResult, FinishReason, JobResult, JobSpec, SamplingParams, StoreStatus, Timings, TokenEvent, Usage
 from worker.textstream import TextStream
 
 Emit = Callable[[TokenEvent], bool]
@@ -59,6 +59,36 @@ def sample_choices(
         if out.finish == "cancelled":
             break
     return outs
+
+
+def job_result(
+    spec: JobSpec,
+    outs: list[Output],
+    usage: Usage,
+    timings: Timings,
+    scored: list[TokenEvent] | None,
+    *,
+    worker: str,
+    store_status: StoreStatus,
+) -> JobResult:
+    """The job's answer: its first choice, the others as ``extra_choices``; logprobs where they were asked for."""
+    out, want_lp = outs[0], spec.sampling.logprobs is not None
+    return JobResult(
+        text=out.text,
+        finish_reason=out.finish,
+        tokens=out.tokens,
+        usage=usage,
+        timings=timings,
+        worker=worker,
+        store_status=store_status,
+        stop_sequence=out.stop_sequence,
+        logprobs=out.logprobs if want_lp else None,
+        extra_choices=[
+            ChoiceResult(index=o.index, text=o.text, finish_reason=o.finish, tokens=o.tokens, logprobs=o.logprobs if want_lp else None)
+            for o in outs[1:]
+        ],
+        prompt_logprobs=scored,
+    )
 
 
 def _nothing() -> None:

@@ -68,6 +68,25 @@ class WorkerSettings(PoolSettings):
         """Prompt threads: as set, else the generation threads, so that N workers never run N x cores threads."""
         return self.n_threads_batch or self.n_threads
 
+    parallel: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Sequences one worker serves at once, decoded together in shared batches (one KV stream of KVPOOL_N_CTX "
+        "cells each); each is an RQ worker of its own, named <worker name>.<i>.",
+    )
+    prefill_chunk: int = Field(
+        128,
+        ge=4,
+        description="With KVPOOL_PARALLEL > 1: prompt tokens evaluated per round while other sequences generate, so a long "
+        "prompt delays their next token by one such piece at most (alone, a prompt takes KVPOOL_N_BATCH per round).",
+    )
+    gather_ms: float = Field(
+        10.0,
+        ge=0,
+        le=1000,
+        description="With KVPOOL_PARALLEL > 1: how long a round waits for the sequences that just stepped to ask for their next step.",
+    )
     n_gpu_layers: int = Field(0, description="Layers offloaded to a GPU, when llama.cpp was built with one.")
     flash_attn: bool = Field(False, description="Use flash attention (required for a quantized V cache).")
     type_k: str = Field("f16", description="K cache type: f16, f32, q8_0, q4_0, ...")

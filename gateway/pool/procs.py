@@ -28,6 +28,7 @@ import httpx
 import redis
 
 from worker.advert import adverts
+from worker.protocol import slot_names
 
 S3_ACCESS_KEY = "kvpool-local"
 S3_SECRET_KEY = "kvpool-local-secret"
@@ -161,11 +162,17 @@ class WorkerProcess(Process):
     def args(self) -> list[str]:
         return kvpool_command("worker")
 
+    @property
+    def names(self) -> list[str]:
+        """The RQ workers of its sequences (`KVPOOL_PARALLEL`): its name, or ``name.0``, ``name.1``, ..."""
+        return slot_names(self.name, int(self.env.get("KVPOOL_PARALLEL", "1")))
+
     def ready(self) -> bool:
-        """An advert left by an earlier process of the same name does not count."""
+        """Every sequence advertised; an advert left by an earlier process of the same name does not count."""
         assert self.proc is not None
         try:
-            return any(a.worker == self.name and a.pid == self.proc.pid for a in adverts(self.conn))
+            mine = {a.worker for a in adverts(self.conn) if a.pid == self.proc.pid}
+            return mine >= set(self.names)
         except redis.ConnectionError:
             return False
 

@@ -1,0 +1,211 @@
+"""One worker, many sequences (KVPOOL_PARALLEL): answers never depend on what else ran in the same batches.
+
+In-process, on the real model (SmolLM2-135M-Instruct, f16 KV): one engine opens a
+context of four sequences and the other three sequences' engines share it
+(`Engine.for_sequence`); jobs run in threads, as a worker process runs them, and the
+batcher decodes them together. Every answer is compared with a cold evaluation on a
+context of its own: the same first-token logits, bit for bit, and the same greedy
+tokens; and a sequence's cells, read back from the shared context, are the bytes a
+cold evaluation of prompt plus answer holds.
+
+Then in processes, on the generated model: a worker SIGKILLed with four jobs in
+flight loses none and answers none twice; and its four sequences are four routable
+RQ workers.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from gateway.pool.procs import S3Server
+from tests.helpers import PoolClient, cold_greedy, prompt_text, s3_settings
+from worker.client import events
+from worker.decoding import DecodeMode
+from worker.engine import Engine
+from worker.kvchunks import cut_cells
+from worker.llama_state import evaluate_prompt, last_logits, open_llama, read_seq_state
+from worker.protocol import DoneEvent, SamplingParams, StartEvent, TokenEvent, job_spec
+from worker.settings import WorkerSettings
+
+CHUNK = 64
+P = 4
+N = 12
+
+pytestmark = pytest.mark.fp_path
+
+
+@dataclass
+class Answer:
+    logits: np.ndarray
+    tokens: list[int]
+    finish: str
+    cached_store: int
+    held: int
+
+
+def ask(engine: Engine, tokens: list[int], *, n: int = N, cancel_after: int | None = None) -> Answer:
+    """One job on ``engine``, as the worker runs it; the logits its first token was sampled from."""
+    seen: list[np.ndarray] = []
+    sent = [0]
+
+    def emit(_: TokenEvent) -> bool:
+        if not seen:
+            seen.append(last_logits(engine.llm))
+        sent[0] += 1
+        return cancel_after is None or sent[0] < cancel_after
+
+    spec = job_spec(tokens, model=engine.fingerprint, chunk_size=CHUNK, sampling=SamplingParams(max_tokens=n, temperature=0.0, top_k=1))
+    result = engine.run(spec, emit)
+    engine.after_answer()
+    return Answer(seen[0], result.tokens, result.finish_reason, result.usage.cached_from_store, engine.llm.n_tokens)
+
+
+def together(calls: list[Callable[[], Answer]]) -> list[Answer]:
+    """Run the calls at once, one thread each (one per sequence), as a worker's RQ workers do."""
+    out: list[Answer | BaseException | None] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = calls[i]()
+        except BaseException as e:  # surfaced below
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    for o in out:
+        if isinstance(o, BaseException):
+            raise o
+    return [o for o in out if isinstance(o, Answer)]
+
+
+@pytest.fixture(scope="module")
+def engines(redis_url: str, s3_server: S3Server, smollm2: Path) -> Iterator[list[Engine]]:
+    base = s3_settings(s3_server.endpoint_url, f"kvpool-batched-{uuid.uuid4().hex[:8]}", redis_url)
+    settings = WorkerSettings(**{**base.model_dump(), "chunk_size": CHUNK, "n_ctx": 1024, "n_threads": 2, "parallel": P})
+    from store.store import Store
+
+    engine = Engine(settings, smollm2, store=Store.open(settings), name="b.0")
+    slots = [engine, *(engine.for_sequence(i, f"b.{i}") for i in range(1, P))]
+    yield slots
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def cold(smollm2: Path) -> llama_cpp.Llama:
+    """A context of its own: the reference every batched answer is compared with."""
+    return open_llama(smollm2, flash_attn=False, n_ctx=1024, n_threads=2)
+
+
+def cold_answer(cold: llama_cpp.Llama, tokens: list[int], n: int = N) -> tuple[np.ndarray, list[int]]:
+    cold.reset()
+    evaluate_prompt(cold, tokens, 0)
+    logits = last_logits(cold)
+    return logits, cold_greedy(cold, tokens, n)
+
+
+def prompts(seed: int, count: int, cold: llama_cpp.Llama) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [cold.tokenize(prompt_text(seed * 100 + i, int(rng.integers(20, 200))).encode()) for i in range(count)]
+
+
+def test_the_context_decodes_exactly_in_pairs(engines: list[Engine]) -> None:
+    assert engines[0].decode is DecodeMode.PAIR or engines[0].decode is DecodeMode.SINGLE
+    assert engines[0].restore_enabled and engines[0].exact
+
+
+def test_answers_are_the_same_bits_at_concurrency_one_and_four(engines: list[Engine], cold: llama_cpp.Llama) -> None:
+    texts = prompts(1, 8, cold)
+    alone = [ask(engines[0], t) for t in texts]
+    four = together([lambda t=t, e=e: ask(e, t) for t, e in zip(texts[:4], engines, strict=True)])
+    four += together([lambda t=t, e=e: ask(e, t) for t, e in zip(texts[4:], engines, strict=True)])
+    for t, a, b in zip(texts, alone, four, strict=True):
+        ref_logits, ref_tokens = cold_answer(cold, t)
+        assert np.array_equal(a.logits, ref_logits) and np.array_equal(b.logits, ref_logits)
+        assert a.tokens == b.tokens == ref_tokens
+
+
+def test_an_answers_cells_in_a_shared_context_are_a_cold_evaluations(engines: list[Engine], cold: llama_cpp.Llama) -> None:
+    texts = prompts(2, P, cold)
+    answers = together([lambda t=t, e=e: ask(e, t) for t, e in zip(texts, engines, strict=True)])
+    for t, a, e in zip(texts, answers, engines, strict=True):
+        held = t + a.tokens
+        assert a.held == len(held)  # the answer's last token decoded too: the next turn resumes after it
+        cold.reset()
+        evaluate_prompt(cold, held, 0)
+        assert cut_cells(read_seq_state(e.llm), 0, len(held)) == cut_cells(read_seq_state(cold), 0, len(held))
+
+
+def test_a_cancelled_sequence_leaves_the_others_bits_unchanged(engines: list[Engine], cold: llama_cpp.Llama) -> None:
+    texts = prompts(3, P, cold)
+    calls = [
+        lambda t=t, e=e, i=i: ask(e, t, n=24, cancel_after=3 if i == 1 else None)
+        for i, (t, e) in enumerate(zip(texts, engines, strict=True))
+    ]
+    answers = together(calls)
+    assert answers[1].finish == "cancelled" and len(answers[1].tokens) == 3
+    for i in (0, 2, 3):
+        ref_logits, ref_tokens = cold_answer(cold, texts[i], 24)
+        assert np.array_equal(answers[i].logits, ref_logits) and answers[i].tokens == ref_tokens
+
+
+def test_a_restore_into_one_sequence_while_three_decode(engines: list[Engine], cold: llama_cpp.Llama) -> None:
+    shared = cold.tokenize(prompt_text(41, 400).encode())
+    ask(engines[0], shared)  # publishes the prompt's chunks and tail
+    assert engines[0].publisher is not None and engines[0].publisher.wait_idle()
+    engines[3].forget_context()
+    texts = prompts(4, 3, cold)
+    calls = [lambda t=t, e=e: ask(e, t, n=40) for t, e in zip(texts, engines[:3], strict=True)]
+    calls.append(lambda: ask(engines[3], [*shared, *cold.tokenize(b" And then?", add_bos=False)]))
+    answers = together(calls)
+    restored = answers[3]
+    assert restored.cached_store >= len(shared) // CHUNK * CHUNK
+    ref_logits, ref_tokens = cold_answer(cold, [*shared, *cold.tokenize(b" And then?", add_bos=False)])
+    assert np.array_equal(restored.logits, ref_logits) and restored.tokens == ref_tokens
+    for t, a in zip(texts, answers[:3], strict=True):
+        ref_logits, ref_tokens = cold_answer(cold, t, 40)
+        assert np.array_equal(a.logits, ref_logits) and a.tokens == ref_tokens
+
+
+NO_EOS = {"logit_bias": {2: -100.0}, "max_tokens": 2000}
+
+
+def test_a_worker_killed_with_four_jobs_in_flight_loses_none_and_answers_none_twice(start_worker, client: PoolClient) -> None:
+    w1 = start_worker("w1", KVPOOL_N_CTX="2048", KVPOOL_PARALLEL="4")
+    prompts = [client.tokens(prompt_text(60 + i, 30)) for i in range(4)]
+    jobs = [client.submit(client.spec(p, **NO_EOS)) for p in prompts]
+    running: set[str] = set()
+    for job_id in jobs:  # every job started on one of w1's sequences and streams tokens
+        for ev in events(client.conn, job_id, timeout_s=60):
+            if isinstance(ev, StartEvent):
+                running.add(ev.worker)
+            if isinstance(ev, TokenEvent):
+                break
+    assert running == {"w1.0", "w1.1", "w1.2", "w1.3"}
+    w1.kill()
+    start_worker("w2", KVPOOL_N_CTX="2048")
+    for job_id in jobs:
+        seen = list(events(client.conn, job_id, timeout_s=300))
+        done = [e for e in seen if isinstance(e, DoneEvent)]
+        starts = [e for e in seen if isinstance(e, StartEvent)]
+        assert len(done) == 1, f"job {job_id} answered {len(done)} times"
+        assert [s.worker for s in starts][-1] == "w2" and starts[-1].attempt == 2
+        assert done[0].result.finish_reason == "length" and done[0].result.usage.completion_tokens == NO_EOS["max_tokens"]
+
+
+def test_each_sequence_is_a_routable_worker(start_worker, client: PoolClient, cold_llm) -> None:
+    start_worker("w1", KVPOOL_PARALLEL="3")
+    for name in ("w1.0", "w1.1", "w1.2"):
+        tokens = client.tokens(prompt_text(70, 20) + name)
+        r = client.run(tokens, worker=name)
+        assert r.worker == name and r.tokens == cold_greedy(cold_llm, tokens, 24)

@@ -1,0 +1,210 @@
+"""One sequence of a shared multi-sequence context, seen by one job as if it were a context of its own.
+
+`SeqView` offers the part of ``llama_cpp.Llama`` that the engine uses (``eval``,
+``n_tokens``, ``input_ids``, sampling, the tokenizer) for sequence ``seq`` of a context
+opened with ``n_seq_max`` streams; its decodes go through the `worker.batcher.Batcher`,
+its state reads and writes take the batcher's lock. `worker.llama_state` asks
+`is_view` and reads and restores a view's state through `read_state` and
+`restore_state`, which convert llama.cpp's multi-stream sequence state to the
+single-stream blob every other worker writes (and back): a chunk is the same bytes
+whatever ``KVPOOL_PARALLEL`` its publisher ran with.
+
+The multi-stream blob of sequence s (``llama_kv_cache::state_write``) is the
+single-stream one with ``n_stream`` = P and an empty ``u32 0`` cell count for each
+other stream, written in stream order (stream s holds sequence s); on load, llama.cpp
+puts the one non-empty stream into the sequence's own stream whatever its place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import llama_cpp
+import llama_cpp._internals as llama_internals
+import numpy as np
+
+from worker.batcher import Batcher, token_data
+from worker.errors import StateReadError
+
+_HEAD = struct.Struct("<IiI")  # magic, seq_id, n_stream
+_EMPTY = struct.pack("<I", 0)
+
+
+class SeqView:
+    """Sequence ``seq`` of ``batcher``'s context, with ``n_ctx`` cells of its own."""
+
+    def __init__(self, batcher: Batcher, seq: int, n_streams: int, n_ctx: int) -> None:
+        self.batcher = batcher
+        self.seq = seq
+        self.n_streams = n_streams
+        self._llm = batcher.llm
+        self._n_ctx = n_ctx
+        self.n_tokens = 0
+        self.input_ids = np.zeros(n_ctx, dtype=np.intc)
+        self.logits = np.zeros(batcher.n_vocab, dtype=np.float32)
+        self._sampler: Any = None
+        self._seed = self._llm._seed
+        self._requires_eval = True
+        self._cand, self._cand_view = token_data(batcher.n_vocab)
+        self._cand_view["id"] = np.arange(batcher.n_vocab, dtype=np.intc)
+
+    # -- what the engine reads of a Llama --------------------------------------------
+
+    @property
+    def model(self) -> Any:
+        return self._llm.model
+
+    @property
+    def _model(self) -> Any:
+        return self._llm._model
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return self._llm.metadata
+
+    @property
+    def context_params(self) -> Any:
+        return self._llm.context_params
+
+    @property
+    def n_batch(self) -> int:
+        return self._llm.n_batch
+
+    @property
+    def _n_vocab(self) -> int:
+        return self.batcher.n_vocab
+
+    @property
+    def last_n_tokens_size(self) -> int:
+        return self._llm.last_n_tokens_size
+
+    @property
+    def _input_ids(self) -> np.ndarray:
+        return self.input_ids[: self.n_tokens]
+
+    def n_vocab(self) -> int:
+        return self.batcher.n_vocab
+
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        return self._llm.tokenize(text, add_bos, special)
+
+    def detokenize(self, tokens: list[int], prev_tokens: list[int] | None = None, special: bool = False) -> bytes:
+        return self._llm.detokenize(tokens, prev_tokens, special)
+
+    def set_seed(self, seed: int) -> None:
+        self._seed = seed
+
+    def close(self) -> None:
+        """The context belongs to the engine that opened it."""
+
+    # -- decoding --------------------------------------------------------------------
+
+    def reset(self) -> None:
+        self.n_tokens = 0
+        self._requires_eval = True
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        """Append ``tokens`` after the first ``n_tokens`` cells (the cells past them are removed first)."""
+        tokens = list(tokens)
+        if self.n_tokens + len(tokens) > self._n_ctx:
+            raise RuntimeError(f"{self.n_tokens + len(tokens)} tokens do not fit the sequence's {self._n_ctx} cells")
+        self._remove_from(self.n_tokens)
+        self.logits = self.batcher.decode(self.seq, tokens, self.n_tokens)
+        self.input_ids[self.n_tokens : self.n_tokens + len(tokens)] = tokens
+        self.n_tokens += len(tokens)
+        self._requires_eval = False
+
+    def decode_rows(self, tokens: Sequence[int]) -> np.ndarray:
+        """Like `eval`, returning the logits of every token (for scoring a prompt)."""
+        tokens = list(tokens)
+        self._remove_from(self.n_tokens)
+        rows = self.batcher.decode(self.seq, tokens, self.n_tokens, rows=True)
+        self.logits = rows[-1].copy()
+        self.input_ids[self.n_tokens : self.n_tokens + len(tokens)] = tokens
+        self.n_tokens += len(tokens)
+        return rows
+
+    def done_generating(self) -> None:
+        self.batcher.idle(self.seq)
+
+    def _remove_from(self, pos: int) -> None:
+        with self.batcher.lock:
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._llm.ctx), self.seq, pos, -1)
+
+    # -- sampling (llama-cpp-python's chain, applied to this sequence's logits) --------
+
+    def _init_sampler(self, **kwargs: Any) -> Any:
+        return llama_cpp.Llama._init_sampler(self, **kwargs)  # type: ignore[arg-type]
+
+    def sample(self, idx: int | None = None) -> int:
+        """What ``llama_sampler_sample`` does with the context's logits, done with this sequence's copy."""
+        assert self._sampler is not None and idx is None
+        view = self._cand_view
+        view["id"] = np.arange(len(view), dtype=np.intc)
+        view["logit"] = self.logits
+        view["p"] = 0.0
+        arr = llama_cpp.llama_token_data_array(
+            data=ctypes.cast(self._cand, ctypes.POINTER(llama_cpp.llama_token_data)), size=len(view), selected=-1, sorted=False
+        )
+        llama_cpp.llama_sampler_apply(self._sampler.sampler, ctypes.byref(arr))
+        if arr.selected < 0:
+            raise RuntimeError("the sampler chain selected no token")
+        token = int(arr.data[arr.selected].id)
+        llama_cpp.llama_sampler_accept(self._sampler.sampler, token)
+        return token
+
+    # -- state, in the single-stream format ------------------------------------------
+
+    def read_state(self, read: Any) -> bytearray:
+        """``read(ctx, seq)`` under the lock, converted to the single-stream blob."""
+        with self.batcher.lock:
+            blob = read(self._llm.ctx, self.seq)
+        return single_stream(blob, self.seq, self.n_streams)
+
+    def write_state(self, write: Any, state: bytes | bytearray | memoryview) -> None:
+        """``write(ctx, blob, seq)`` under the lock, with the single-stream ``state`` converted for this context."""
+        blob = multi_stream(state, self.seq, self.n_streams)
+        with self.batcher.lock:
+            write(self._llm.ctx, blob, self.seq)
+
+    def locked(self) -> Any:
+        return self.batcher.lock
+
+
+def open_streams(llm: llama_cpp.Llama, n_seq: int, n_ctx: int, n_batch: int) -> None:
+    """Replace the context ``Llama`` opened by one of ``n_seq`` streams of ``n_ctx`` cells (llama-cpp-python has no parameter for it)."""
+    params = llm.context_params
+    params.n_seq_max, params.kv_unified = n_seq, False
+    params.n_ctx, params.n_batch, params.n_ubatch = n_ctx * n_seq, n_batch, n_batch
+    llm._ctx.close()
+    llm._ctx = llm._stack.enter_context(
+        contextlib.closing(llama_internals.LlamaContext(model=llm._model, params=params, verbose=llm.verbose))
+    )
+    llm.n_batch = n_batch
+
+
+def single_stream(blob: bytes | bytearray, seq: int, n_streams: int) -> bytearray:
+    """A multi-stream sequence state as the single-stream blob (the other streams' empty counts dropped)."""
+    magic, seq_id, n = _HEAD.unpack_from(blob, 0)
+    if n != n_streams:
+        raise StateReadError(f"state has {n} streams, the context {n_streams}")
+    head, before = _HEAD.size, 4 * seq
+    after = 4 * (n_streams - 1 - seq)
+    if blob[head : head + before] != _EMPTY * seq or (after and blob[len(blob) - after :] != _EMPTY * (n_streams - 1 - seq)):
+        raise StateReadError(f"sequence {seq}'s state holds cells of another stream")
+    return bytearray(_HEAD.pack(magic, seq_id, 1)) + blob[head + before : len(blob) - after]
+
+
+def multi_stream(state: bytes | bytearray | memoryview, seq: int, n_streams: int) -> bytearray:
+    """A single-stream blob as this context's sequence state: its one stream, then the others' empty counts."""
+    magic, seq_id, n = _HEAD.unpack_from(state, 0)
+    if n != 1:
+        raise ValueError(f"expected a single-stream state, got {n} streams")
+    return bytearray(_HEAD.pack(magic, seq_id, n_streams)) + bytes(state[_HEAD.size :]) + _EMPTY * (n_streams - 1)
