@@ -201,6 +201,21 @@ def describe_state(state: Buffer) -> StateInfo:
     return StateInfo(p.layout, p.n_cells, p.v_trans, p.seq_id, pos_min, pos_max, in_order, contiguous)
 
 
+def as_sequence_zero(state: bytearray) -> None:
+    """Rewrite, in place, the sequence id of a blob and of each of its cells to 0 (llama.cpp discards them on load).
+
+    A chunk then has the same bytes whichever sequence of a multi-sequence context it was
+    read from (`worker.sequence`). A blob this module cannot parse is left as it is.
+    """
+    try:
+        p = _parse_state(state)
+    except StateFormatError:
+        return
+    struct.pack_into("<i", state, 4, 0)
+    if p.n_cells:
+        p.meta[:, -4:] = 0
+
+
 def _transposable_el_size(v_type: int) -> int:
     """Element size of a V type llama.cpp can store transposed (plain floats only)."""
     if v_type not in (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16):

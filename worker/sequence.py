@@ -29,6 +29,7 @@ import numpy as np
 
 from worker.batcher import Batcher, token_data
 from worker.errors import StateReadError
+from worker.kvstate import as_sequence_zero
 
 _HEAD = struct.Struct("<IiI")  # magic, seq_id, n_stream
 _EMPTY = struct.pack("<I", 0)
@@ -191,7 +192,7 @@ def open_streams(llm: llama_cpp.Llama, n_seq: int, n_ctx: int, n_batch: int) -> 
 
 
 def single_stream(blob: bytes | bytearray, seq: int, n_streams: int) -> bytearray:
-    """A multi-stream sequence state as the single-stream blob (the other streams' empty counts dropped)."""
+    """A multi-stream sequence state as the single-stream blob of sequence 0 (the other streams' empty counts dropped)."""
     magic, seq_id, n = _HEAD.unpack_from(blob, 0)
     if n != n_streams:
         raise StateReadError(f"state has {n} streams, the context {n_streams}")
@@ -199,7 +200,9 @@ def single_stream(blob: bytes | bytearray, seq: int, n_streams: int) -> bytearra
     after = 4 * (n_streams - 1 - seq)
     if blob[head : head + before] != _EMPTY * seq or (after and blob[len(blob) - after :] != _EMPTY * (n_streams - 1 - seq)):
         raise StateReadError(f"sequence {seq}'s state holds cells of another stream")
-    return bytearray(_HEAD.pack(magic, seq_id, 1)) + blob[head + before : len(blob) - after]
+    out = bytearray(_HEAD.pack(magic, seq_id, 1)) + blob[head + before : len(blob) - after]
+    as_sequence_zero(out)
+    return out
 
 
 def multi_stream(state: bytes | bytearray | memoryview, seq: int, n_streams: int) -> bytearray:
