@@ -134,7 +134,13 @@ class Batcher:
                     return
                 calls = plan_round(list(self._queue), self.n_ubatch, self.prefill_chunk)
             for call in calls:
-                self._call(call)
+                try:
+                    self._call(call)
+                except Exception as e:  # never leave a job waiting on a thread that died
+                    log.exception("batcher.call_failed")
+                    for req, _n in call:
+                        req.error = e
+                        req.finished.set()
             self._settle_round(calls)
 
     def _wait_for_work(self) -> bool:

@@ -33,10 +33,9 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-import llama_cpp
 import numpy as np
 
-from worker.llama_state import evaluate_prompt, last_logits
+from worker.llama_state import Llama, evaluate_prompt, last_logits
 
 CHECK_PROMPT = 40
 CHECK_STEPS = 6
@@ -53,7 +52,7 @@ class DecodeMode(StrEnum):
         return self is not DecodeMode.SETTLE
 
 
-def decode_step(llm: llama_cpp.Llama, token: int, mode: DecodeMode) -> None:
+def decode_step(llm: Llama, token: int, mode: DecodeMode) -> None:
     """Append ``token`` to the context; its logits are then the last ones."""
     if mode is DecodeMode.PAIR and llm.n_tokens > 0:
         prev = int(llm.input_ids[llm.n_tokens - 1])
@@ -63,7 +62,7 @@ def decode_step(llm: llama_cpp.Llama, token: int, mode: DecodeMode) -> None:
         llm.eval([token])
 
 
-def complete_answer(llm: llama_cpp.Llama, tokens: list[int], generated: list[int], mode: DecodeMode, n_ctx: int) -> list[int] | None:
+def complete_answer(llm: Llama, tokens: list[int], generated: list[int], mode: DecodeMode, n_ctx: int) -> list[int] | None:
     """Prompt plus answer, once the context holds the cells of both: the answer's last token is decoded if it is not yet.
 
     Sampling stops before decoding the token it ends on (a length or stop-sequence
@@ -79,7 +78,7 @@ def complete_answer(llm: llama_cpp.Llama, tokens: list[int], generated: list[int
     return held if llm.n_tokens == len(held) else None
 
 
-def decoded_logits(llm: llama_cpp.Llama, prompt: list[int], answer: list[int], mode: DecodeMode | None) -> np.ndarray:
+def decoded_logits(llm: Llama, prompt: list[int], answer: list[int], mode: DecodeMode | None) -> np.ndarray:
     """The last logits after ``prompt`` is evaluated and ``answer`` decoded token by token in ``mode``
     (None: evaluated with the prompt, as a cold evaluation of both does). Leaves the context empty."""
     try:
@@ -95,14 +94,14 @@ def decoded_logits(llm: llama_cpp.Llama, prompt: list[int], answer: list[int], m
         llm.reset()
 
 
-def _same(llm: llama_cpp.Llama, prompt: list[int], answer: list[int], mode: DecodeMode, cold: np.ndarray) -> bool:
+def _same(llm: Llama, prompt: list[int], answer: list[int], mode: DecodeMode, cold: np.ndarray) -> bool:
     try:
         return bool(np.array_equal(decoded_logits(llm, prompt, answer, mode), cold))
     except Exception:  # a memory that cannot drop a cell (recurrent) cannot decode in pairs
         return False
 
 
-def choose_mode(llm: llama_cpp.Llama, wanted: str, seed: int = 1) -> tuple[DecodeMode, str]:
+def choose_mode(llm: Llama, wanted: str, seed: int = 1) -> tuple[DecodeMode, str]:
     """The cheapest exact mode this model and build allow (``wanted`` ``auto``), or ``wanted`` if it proves exact.
 
     A mode is exact when the logits after a prompt and then an answer decoded in it are the

@@ -19,7 +19,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import llama_cpp
 import numpy as np
 import redis
 
@@ -31,7 +30,7 @@ from worker import metrics
 from worker.kvchunks import cut_state, head_cells, join_state
 from worker.kvstate import StateFormatError
 from worker.leases import Claim, EvalRate, LeaseOutcome, Leases, leased_by_others
-from worker.llama_state import ContextCache, StateReadError, StateRestoreError, read_seq_state, restore_seq_state
+from worker.llama_state import ContextCache, Llama, StateReadError, StateRestoreError, read_seq_state, restore_seq_state
 from worker.protocol import StoreStatus
 
 log = logging.getLogger("kvpool.worker")
@@ -59,7 +58,7 @@ class Plan:
 class PrefixFinder:
     """Mixed into the engine: needs its context, KV layout, store and what the context holds."""
 
-    llm: llama_cpp.Llama
+    llm: Llama
     kv: ContextCache
     store: Store | None
     labels: dict[str, str]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import llama_cpp
 import numpy as np
 
-from worker.llama_state import is_end_of_generation, last_logits
+from worker.llama_state import Llama, is_end_of_generation, last_logits
 from worker.protocol import ChoiceResult, FinishReason, JobResult, JobSpec, SamplingParams, StoreStatus, Timings, TokenEvent, Usage
 from worker.textstream import TextStream
 
@@ -46,7 +46,7 @@ class Output:
 
 
 def sample_choices(
-    llm: llama_cpp.Llama, spec: JobSpec, emit: Emit, after_first: Callable[[], None], n_ctx: int, rewind: Rewind, step: Step
+    llm: Llama, spec: JobSpec, emit: Emit, after_first: Callable[[], None], n_ctx: int, rewind: Rewind, step: Step
 ) -> list[Output]:
     """The job's ``n`` choices, one after the other; a cancelled choice ends the job."""
     outs: list[Output] = []
@@ -100,7 +100,7 @@ def _seed(s: SamplingParams, index: int) -> int:
 
 
 def _one(
-    llm: llama_cpp.Llama,
+    llm: Llama,
     spec: JobSpec,
     emit: Emit,
     after_first: Callable[[], None],
@@ -143,7 +143,7 @@ def _one(
     return out
 
 
-def _sampled(llm: llama_cpp.Llama, s: SamplingParams, grammar: llama_cpp.LlamaGrammar | None, step: Step) -> Generator[int, None, None]:
+def _sampled(llm: Llama, s: SamplingParams, grammar: llama_cpp.LlamaGrammar | None, step: Step) -> Generator[int, None, None]:
     """Tokens sampled one after the other from the evaluated prompt, each decoded by ``step`` before the next is sampled.
 
     The sampler chain is llama-cpp-python's (`Llama.generate` builds the same one); the
@@ -170,7 +170,7 @@ def _sampled(llm: llama_cpp.Llama, s: SamplingParams, grammar: llama_cpp.LlamaGr
         llm._sampler = None
 
 
-def token_event(llm: llama_cpp.Llama, tok: int, text: str, top_n: int | None, out: Output) -> TokenEvent:
+def token_event(llm: Llama, tok: int, text: str, top_n: int | None, out: Output) -> TokenEvent:
     if top_n is None:
         return TokenEvent(text=text, token=tok, index=out.index)
     lp, top = logprobs_of(llm, last_logits(llm), tok, top_n)
@@ -179,7 +179,7 @@ def token_event(llm: llama_cpp.Llama, tok: int, text: str, top_n: int | None, ou
     return TokenEvent(text=text, token=tok, piece=piece, logprob=lp, top_logprobs=top, index=out.index)
 
 
-def end_event(llm: llama_cpp.Llama, tok: int, top_n: int, index: int) -> TokenEvent:
+def end_event(llm: Llama, tok: int, top_n: int, index: int) -> TokenEvent:
     """The end-of-generation token of a scored prompt's answer, with its logprob and no text.
 
     Evaluation harnesses (lm-eval's ``local-completions``) score ``prompt + one generated
@@ -191,7 +191,7 @@ def end_event(llm: llama_cpp.Llama, tok: int, top_n: int, index: int) -> TokenEv
     return TokenEvent(text="", token=tok, piece=piece, logprob=lp, top_logprobs=top, index=index)
 
 
-def logprobs_of(llm: llama_cpp.Llama, logits: np.ndarray, tok: int, top_n: int) -> tuple[float, dict[str, float] | None]:
+def logprobs_of(llm: Llama, logits: np.ndarray, tok: int, top_n: int) -> tuple[float, dict[str, float] | None]:
     """The log-probability of ``tok`` under ``logits`` (the model's, before any sampler), and the ``top_n`` best."""
     logits = logits.astype(np.float64)
     m = logits.max()

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import llama_cpp
 import numpy as np
 
-from worker.llama_state import evaluate_all_logits, evaluate_prompt
+from worker.llama_state import Llama, evaluate_all_logits, evaluate_prompt
 from worker.protocol import TokenEvent
 
 ROWS = 64
 """Positions turned into log-probabilities at a time (bounds the float64 working set)."""
 
 
-def score_prompt(llm: llama_cpp.Llama, tokens: Sequence[int], top_n: int) -> list[TokenEvent]:
+def score_prompt(llm: Llama, tokens: Sequence[int], top_n: int) -> list[TokenEvent]:
     """Evaluate ``tokens`` from an empty context; each token's logprob under the ones before it (the first has none)."""
     out = [_event(llm, tokens[0], None, None)]
     for pos, logits in evaluate_all_logits(llm, tokens):
@@ -36,7 +35,7 @@ def score_prompt(llm: llama_cpp.Llama, tokens: Sequence[int], top_n: int) -> lis
     return out
 
 
-def _rows(llm: llama_cpp.Llama, logits: np.ndarray, targets: list[int], top_n: int) -> list[TokenEvent]:
+def _rows(llm: Llama, logits: np.ndarray, targets: list[int], top_n: int) -> list[TokenEvent]:
     rows = logits[: len(targets)].astype(np.float64)
     m = rows.max(axis=1, keepdims=True)
     logz = m[:, 0] + np.log(np.exp(rows - m).sum(axis=1))
@@ -52,10 +51,10 @@ def _rows(llm: llama_cpp.Llama, logits: np.ndarray, targets: list[int], top_n: i
     return events
 
 
-def _piece(llm: llama_cpp.Llama, tok: int) -> str:
+def _piece(llm: Llama, tok: int) -> str:
     return llm.detokenize([tok]).decode("utf-8", "replace")
 
 
-def _event(llm: llama_cpp.Llama, tok: int, lp: float | None, top: dict[str, float] | None) -> TokenEvent:
+def _event(llm: Llama, tok: int, lp: float | None, top: dict[str, float] | None) -> TokenEvent:
     piece = _piece(llm, tok)
     return TokenEvent(text=piece, token=tok, piece=piece, logprob=lp, top_logprobs=top)

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import llama_cpp
 import numpy as np
 
 from worker.kvchunks import cut_state, join_state
-from worker.llama_state import ContextCache, evaluate_prompt, last_logits, read_seq_state, restore_seq_state
+from worker.llama_state import ContextCache, Llama, evaluate_prompt, last_logits, read_seq_state, restore_seq_state
 
 CHECK_CHUNK = 16
 CHECK_CHUNKS = 3
@@ -37,7 +36,7 @@ class SelfCheck:
     detail: str
 
 
-def check_restore(llm: llama_cpp.Llama, kv: ContextCache, seed: int = 0) -> SelfCheck:
+def check_restore(llm: Llama, kv: ContextCache, seed: int = 0) -> SelfCheck:
     """Runs the round trip. Leaves the context empty."""
     n_prefix = CHECK_CHUNK * CHECK_CHUNKS
     rng = np.random.default_rng(seed)

@@ -14,16 +14,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-import llama_cpp
-
-from worker.llama_state import batch_sizes, evaluate_prompt
+from worker.llama_state import Llama, batch_sizes, evaluate_prompt
 
 SETTLE_BATCH = 32
 """Tokens per settle batch: the longest a job that arrives meanwhile waits."""
 
 
 def settle(
-    llm: llama_cpp.Llama, tokens: list[int], generated: list[int], *, n_ctx: int, idle_s: float, job_waiting: Callable[[], bool]
+    llm: Llama, tokens: list[int], generated: list[int], *, n_ctx: int, idle_s: float, job_waiting: Callable[[], bool]
 ) -> Iterator[int]:
     """Evaluates ``tokens + generated`` from the end of the prompt on; yields how many leading cells are exact after each batch."""
     held = tokens + generated

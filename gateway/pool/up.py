@@ -51,8 +51,19 @@ class LocalPool:
     ``inherit_settings=False`` it gets no other ``KVPOOL_*`` variable of this process.
     """
 
-    def __init__(self, settings: GatewaySettings, *, workers: int, threads: int, say: Say, inherit_settings: bool = True) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        *,
+        workers: int,
+        threads: int,
+        say: Say,
+        inherit_settings: bool = True,
+        worker_env: dict[str, str] | None = None,
+    ) -> None:
         self.settings = settings
+        self.worker_env = worker_env or {}
+        """Worker settings beyond the pool's (``KVPOOL_PARALLEL``, say)."""
         self.n_workers = workers
         self.threads = threads
         self.say = say
@@ -77,7 +88,7 @@ class LocalPool:
         env["KVPOOL_MODEL"] = str(model)
         self.say(f"model    {model}")
         self.say(f"store    {self.settings.resolved_store_url()}")
-        threads = {"KVPOOL_N_THREADS": str(self.threads), "KVPOOL_N_THREADS_BATCH": str(self.threads)}
+        threads = {"KVPOOL_N_THREADS": str(self.threads), "KVPOOL_N_THREADS_BATCH": str(self.threads), **self.worker_env}
         for i in range(self.n_workers):  # all start at once; each is waited for below
             name = f"worker-{i + 1}"
             log = self.logs / f"{name}.log"

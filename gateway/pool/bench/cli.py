@@ -236,7 +236,7 @@ if __name__ == "__main__":
 @click.option(
     "--systems",
     "names",
-    default="server-1,server-4,round-robin,kvpool-1w,kvpool-2w",
+    default="server-1,server-4,round-robin,kvpool-1w,kvpool-1w4s,kvpool-2w",
     show_default=True,
     help="Comma-separated subset of the systems (the server-* and round-robin ones need --llama-server).",
 )

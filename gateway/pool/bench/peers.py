@@ -11,7 +11,9 @@ Systems:
 * ``2 llama-servers, round-robin``: two servers of half the threads each, requests
   alternating between them -- scaling out without a shared cache;
 * ``kvpool 1w x 2t`` and ``kvpool 2w x 1t``: ``kvpool up``'s pool (managed Redis,
-  folder store, gateway) with one worker of all threads, or two of half each.
+  folder store, gateway) with one worker of all threads, or two of half each;
+* ``kvpool 1w x 2t x 4 seq``: one worker of all threads serving 4 sequences at once
+  (``KVPOOL_PARALLEL=4``), llama-server 4 slots' counterpart.
 
 Workloads: `peer_workloads` (W1 to W4, chat requests of real text). The report is
 `peers_report`.
@@ -174,13 +176,20 @@ class BenchPoolSettings(GatewaySettings):
 
 
 @contextmanager
-def kvpool_pool(model: Path, *, workers: int, threads: int, n_ctx: int, logs: Path) -> Iterator[list[str]]:
+def kvpool_pool(model: Path, *, workers: int, threads: int, n_ctx: int, logs: Path, parallel: int = 1) -> Iterator[list[str]]:
     """A kvpool pool of its own (managed Redis, a fresh store) whatever ``KVPOOL_*`` variables this process has."""
     from gateway.pool.up import LocalPool
 
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as state:
         settings = BenchPoolSettings(model=str(model), port=free_port(), n_ctx=n_ctx, state_dir=Path(state))
-        pool = LocalPool(settings, workers=workers, threads=threads, say=lambda _: None, inherit_settings=False)
+        pool = LocalPool(
+            settings,
+            workers=workers,
+            threads=threads,
+            say=lambda _: None,
+            inherit_settings=False,
+            worker_env={"KVPOOL_PARALLEL": str(parallel)},
+        )
         try:
             gateway = pool.start()
             yield [gateway.url]
@@ -188,7 +197,7 @@ def kvpool_pool(model: Path, *, workers: int, threads: int, n_ctx: int, logs: Pa
             pool.stop()
 
 
-SYSTEMS = ("server-1", "server-4", "round-robin", "kvpool-1w", "kvpool-2w")
+SYSTEMS = ("server-1", "server-4", "round-robin", "kvpool-1w", "kvpool-1w4s", "kvpool-2w")
 """The systems' short names, as ``--systems`` takes them, in the order they run."""
 
 
@@ -212,6 +221,10 @@ def systems(
             lambda: llama_servers(binary, model, count=2, threads=half, slots=1, n_ctx=n_ctx, logs=logs),
         )
     found["kvpool-1w"] = (f"kvpool 1w x {threads}t", lambda: kvpool_pool(model, workers=1, threads=threads, n_ctx=n_ctx, logs=logs))
+    found["kvpool-1w4s"] = (
+        f"kvpool 1w x {threads}t x 4 seq",
+        lambda: kvpool_pool(model, workers=1, threads=threads, n_ctx=n_ctx, logs=logs, parallel=4),
+    )
     found["kvpool-2w"] = (f"kvpool 2w x {half}t", lambda: kvpool_pool(model, workers=2, threads=half, n_ctx=n_ctx, logs=logs))
     return {name: start for key, (name, start) in found.items() if key in only}
 

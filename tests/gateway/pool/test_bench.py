@@ -195,7 +195,7 @@ def test_bench_peers_refuses_a_system_it_does_not_know(tmp_path: Path) -> None:
 
     result = CliRunner().invoke(bench_peers_command, ["--systems", "kvpool-1w,vllm", "--out", str(tmp_path)])
     assert result.exit_code == 2
-    assert "--systems" in result.output and "server-1, server-4, round-robin, kvpool-1w, kvpool-2w" in result.output
+    assert "--systems" in result.output and "server-1, server-4, round-robin, kvpool-1w, kvpool-1w4s, kvpool-2w" in result.output
 
 
 def test_stored_bytes_per_chunk_leave_tails_out(index) -> None:
