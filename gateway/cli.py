@@ -23,8 +23,17 @@ _GROUPS = {
     "bench-peers": "gateway.pool.bench.cli:bench_peers_command",
     "bench-index": "gateway.pool.bench.index_scale:bench_index_command",
     "bench-resume": "gateway.pool.bench.resume:bench_resume_command",
+    "bench-decode": "gateway.pool.bench.decode:bench_decode_command",
 }
-EXTRAS = {"up": "pool", "docs": "pool", "bench": "bench", "bench-peers": "bench", "bench-index": "bench", "bench-resume": "bench"}
+EXTRAS = {
+    "up": "pool",
+    "docs": "pool",
+    "bench": "bench",
+    "bench-peers": "bench",
+    "bench-index": "bench",
+    "bench-resume": "bench",
+    "bench-decode": "bench",
+}
 """The pyproject extra each command needs beyond kvpool's own dependencies (the pool tools'; a worker or gateway needs none)."""
 
 

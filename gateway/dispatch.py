@@ -36,7 +36,6 @@ from enum import StrEnum
 
 import redis
 import xxhash
-from rq import Queue
 
 from gateway import metrics
 from gateway.errors import Overloaded
@@ -45,7 +44,7 @@ from store.chain import chain_keys, namespace_key
 from store.errors import StoreUnavailable
 from store.index import RedisIndex
 from worker.advert import Advert, adverts
-from worker.client import submit
+from worker.client import queue_key, submit
 from worker.protocol import JobSpec, worker_queue
 from worker.redis_retry import ride_out
 
@@ -187,8 +186,8 @@ class Dispatcher:
     def _lengths(self, names: list[str]) -> dict[str, int]:
         pipe = self.conn.pipeline(transaction=False)
         for n in names:
-            pipe.llen(Queue(worker_queue(n), connection=self.conn).key)
-        pipe.llen(Queue(self.settings.queue, connection=self.conn).key)
+            pipe.llen(queue_key(worker_queue(n)))
+        pipe.llen(queue_key(self.settings.queue))
         *per_worker, shared = pipe.execute()
         return {**dict(zip(names, per_worker)), "": shared}
 

@@ -41,7 +41,6 @@ import redis
 import redis.asyncio
 from fastapi import Request
 from pydantic import BaseModel
-from rq.job import Job
 
 from gateway import metrics
 from gateway.answer import Submitted, submit_all
@@ -50,7 +49,7 @@ from gateway.prepare import Prepared
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway
 from gateway.tenants import Tenant
-from worker.client import parse_event
+from worker.client import RUNNING, job_key, job_status, parse_event
 from worker.protocol import DoneEvent, ErrorEvent, StartEvent, cancel_key, stream_key
 from worker.redis_retry import aride_out
 
@@ -64,7 +63,6 @@ MAX_KEY_CHARS = 255
 CLAIM_S = 30.0
 """How long a claim outlives a gateway that died before enqueueing (besides the Redis outage it may wait out)."""
 POLL_S = 0.05
-RUNNING = {"queued", "started", "deferred", "scheduled"}
 """RQ statuses of a job that will still write to its stream."""
 
 _SWAP = """
@@ -146,9 +144,9 @@ async def replayable(aredis: redis.asyncio.Redis[bytes], job_ids: list[str]) -> 
         pipe.exists(cancel_key(job_id))
         pipe.xrange(stream_key(job_id), count=1)
         pipe.xrevrange(stream_key(job_id), count=1)
-        pipe.hget(Job.key_for(job_id), "status")
+        pipe.hget(job_key(job_id), "status")
         cancelled, first, last, status = await pipe.execute()
-        if cancelled or not _readable(first, last, (status or b"").decode() in RUNNING):
+        if cancelled or not _readable(first, last, job_status(status) in RUNNING):
             return False
     return True
 

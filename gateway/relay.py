@@ -26,13 +26,12 @@ from dataclasses import dataclass
 import anyio
 import redis
 import redis.asyncio
-from rq.job import Job
 from starlette.requests import Request
 
 from gateway import metrics
 from gateway.errors import Timeout, WorkerFailed
 from worker.advert import ais_live
-from worker.client import aevents
+from worker.client import aevents, job_key
 from worker.protocol import DoneEvent, ErrorEvent, JobResult, StartEvent, TokenEvent, cancel_key
 
 log = logging.getLogger("kvpool.gateway")
@@ -102,7 +101,7 @@ async def _check(ctx: RelayContext, attempt: _Attempt) -> None:
         if attempt.worker is not None and not await ais_live(ctx.aredis, attempt.worker):
             if not await ctx.any_worker_alive():
                 raise WorkerFailed(f"worker {attempt.worker} died while answering and no other worker is alive", code="worker_lost")
-        if not await ctx.aredis.exists(Job.key_for(ctx.job_id)):
+        if not await ctx.aredis.exists(job_key(ctx.job_id)):
             log.warning("job.lost", extra={"job": ctx.job_id, "reason": "Redis no longer holds it; submitting it again"})
             metrics.RESUBMITTED.inc()
             await ctx.resubmit()

@@ -86,6 +86,15 @@ def test_the_gateway_never_reaches_the_engine(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", [m for m in MODULES if m.startswith("gateway") and not _in(m, POOL)])
+def test_the_gateway_never_imports_rq(name: str) -> None:
+    """Queues, job records and statuses are `worker.client`'s business: the one module of the client side that uses RQ."""
+    tree = ast.parse(MODULES[name].read_text())
+    found = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    found |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not {m for m in found if m == "rq" or m.startswith("rq.")}, f"{name} imports rq"
+
+
+@pytest.mark.parametrize("name", [m for m in MODULES if m.startswith("gateway") and not _in(m, POOL)])
 def test_the_gateway_reads_only_the_pool_settings(name: str) -> None:
     """From worker.settings the gateway takes `PoolSettings` (what it and the workers agree on), never the worker's own."""
     tree = ast.parse(MODULES[name].read_text())

@@ -1,4 +1,8 @@
-"""The client side of jobs: enqueue a `JobSpec`, read its events, cancel it. Used by the gateway and batch jobs."""
+"""The client side of jobs: enqueue a `JobSpec`, read its events, cancel it. Used by the gateway and batch jobs.
+
+The one module of the client side that touches RQ: the gateway asks here for queue
+lengths, a job's status and its return value, and never imports ``rq`` itself.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import redis
 import redis.asyncio
 from pydantic import TypeAdapter
 from rq import Queue, Retry
-from rq.job import Job
+from rq.job import Job, JobStatus
 
 from worker.protocol import DoneEvent, ErrorEvent, JobSpec, StartEvent, TokenEvent, cancel_key, stream_key
 from worker.redis_retry import RETRIED, backoff
@@ -119,3 +123,39 @@ def job_exists(conn: redis.Redis, job_id: str) -> bool:
 def cancel(conn: redis.Redis, job_id: str, ttl_s: int = 600) -> None:
     """Ask the worker to stop generating (at its next write to the stream); a job still queued is dropped when it starts."""
     conn.set(cancel_key(job_id), 1, ex=ttl_s)
+
+
+ENDED = frozenset({JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED})
+"""RQ statuses of a job that will not run again."""
+RUNNING = frozenset({JobStatus.QUEUED, JobStatus.STARTED, JobStatus.DEFERRED, JobStatus.SCHEDULED})
+"""RQ statuses of a job that is still to run or running."""
+
+
+def queue_key(name: str) -> str:
+    """The Redis list of RQ queue ``name`` (its length is the jobs waiting in it)."""
+    return Queue.redis_queue_namespace_prefix + name
+
+
+def job_key(job_id: str) -> str:
+    """The Redis hash of RQ job ``job_id`` (its ``status`` field is the job's `JobStatus`)."""
+    return str(Job.key_for(job_id))
+
+
+def job_status(raw: bytes | str | None) -> JobStatus | None:
+    """A job's ``status`` field as read from `job_key`, or None when the job is gone."""
+    if raw is None:
+        return None
+    return JobStatus(raw.decode() if isinstance(raw, bytes) else raw)
+
+
+def return_value(conn: redis.Redis, job_id: str) -> Any:
+    """What the job function returned, or None (job gone, or no result)."""
+    job = Job.fetch_many([job_id], connection=conn)[0]
+    return job.return_value() if job is not None else None
+
+
+def delete_job(conn: redis.Redis, job_id: str) -> None:
+    """Remove a job that has not run (a batch's waiting dependent whose leader failed)."""
+    job = Job.fetch_many([job_id], connection=conn)[0]
+    if job is not None:
+        job.delete()

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import redis
 from pydantic import ValidationError
-from rq.job import Job, JobStatus
 
 from gateway.batch.lines import result_record
 from gateway.batch.plan import Group, Request
@@ -21,7 +20,7 @@ from gateway.errors import APIError, Overloaded, WorkerFailed
 from gateway.responses import chat_body, completion_body
 from gateway.settings import GatewaySettings
 from worker.advert import adverts
-from worker.client import cancel, parse_event
+from worker.client import ENDED, JobStatus, cancel, delete_job, job_key, job_status, parse_event, return_value
 from worker.protocol import (
     STREAM_PREFIX,
     DoneEvent,
@@ -244,9 +243,7 @@ class Runner:
         waiting = [f for f in self.flights.values() if f.group is group and not f.leader]
         for f in waiting:
             cancel(self.conn, f.job_id)
-            job = Job.fetch_many([f.job_id], connection=self.conn)[0]
-            if job is not None:
-                job.delete()
+            delete_job(self.conn, f.job_id)
             del self.flights[f.job_id]
         group.siblings.extendleft(reversed([f.request for f in waiting]))
         self.pending += len(waiting)
@@ -283,10 +280,10 @@ class Runner:
             return
         pipe = self.conn.pipeline(transaction=False)
         for j in ids:
-            pipe.hget(Job.key_for(j), "status")
+            pipe.hget(job_key(j), "status")
         for job_id, raw in zip(ids, pipe.execute()):
-            status = raw.decode() if isinstance(raw, bytes) else raw
-            if status not in (None, JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
+            status = job_status(raw)
+            if status is not None and status not in ENDED:
                 continue
             if job_id not in self.flights:
                 continue
@@ -299,12 +296,14 @@ class Runner:
                 if result is not None:
                     self._answered(flight, result)
                     continue
-            self._failed(flight, WorkerFailed(f"the job ended ({status or 'gone from the queue'}) without an answer", code="worker_error"))
+            self._failed(
+                flight,
+                WorkerFailed(f"the job ended ({status.value if status else 'gone from the queue'}) without an answer", code="worker_error"),
+            )
 
 
 def _return_value(conn: redis.Redis[bytes], job_id: str) -> JobResult | None:
-    job = Job.fetch_many([job_id], connection=conn)[0]
-    value = job.return_value() if job is not None else None
+    value = return_value(conn, job_id)
     try:
         return JobResult.model_validate(value)
     except ValidationError:

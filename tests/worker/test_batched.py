@@ -27,7 +27,7 @@ import pytest
 
 from gateway.pool.procs import RedisServer, S3Server
 from store.store import Store
-from tests.helpers import PoolClient, cold_greedy, prompt_text, s3_settings
+from tests.helpers import PoolClient, cold_generate, cold_greedy, prompt_text, s3_settings
 from worker.client import events
 from worker.decoding import DecodeMode
 from worker.engine import Engine
@@ -52,7 +52,7 @@ class Answer:
     held: int
 
 
-def ask(engine: Engine, tokens: list[int], *, n: int = N, cancel_after: int | None = None) -> Answer:
+def ask(engine: Engine, tokens: list[int], *, n: int = N, cancel_after: int | None = None, **sampling: object) -> Answer:
     """One job on ``engine``, as the worker runs it; the logits its first token was sampled from."""
     seen: list[np.ndarray] = []
     sent = [0]
@@ -63,7 +63,12 @@ def ask(engine: Engine, tokens: list[int], *, n: int = N, cancel_after: int | No
         sent[0] += 1
         return cancel_after is None or sent[0] < cancel_after
 
-    spec = job_spec(tokens, model=engine.fingerprint, chunk_size=CHUNK, sampling=SamplingParams(max_tokens=n, temperature=0.0, top_k=1))
+    spec = job_spec(
+        tokens,
+        model=engine.fingerprint,
+        chunk_size=CHUNK,
+        sampling=SamplingParams(**{"max_tokens": n, "temperature": 0.0, "top_k": 1, **sampling}),
+    )
     result = engine.run(spec, emit)
     engine.after_answer()
     return Answer(seen[0], result.tokens, result.finish_reason, result.usage.cached_from_store, engine.llm.n_tokens)
@@ -144,6 +149,18 @@ def test_an_answers_cells_in_a_shared_context_are_a_cold_evaluations(engines: li
         cold.reset()
         evaluate_prompt(cold, held, 0)
         assert cut_cells(read_seq_state(e.llm), 0, len(held)) == cut_cells(read_seq_state(cold), 0, len(held))
+
+
+def test_seeded_sampling_in_a_shared_context_draws_what_a_cold_run_draws(engines: list[Engine], cold: llama_cpp.Llama) -> None:
+    texts = prompts(5, P, cold)
+    sampling = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.1}
+    answers = together(
+        [lambda t=t, e=e, i=i: ask(e, t, n=20, seed=100 + i, **sampling) for i, (t, e) in enumerate(zip(texts, engines, strict=True))]
+    )
+    for i, (t, a) in enumerate(zip(texts, answers, strict=True)):
+        cold.set_seed(100 + i)
+        want = cold_generate(cold, t, 20, temp=0.9, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1)
+        assert a.tokens == want, f"sequence {i} drew other tokens than a cold run with the same seed"
 
 
 def test_a_cancelled_sequence_leaves_the_others_bits_unchanged(engines: list[Engine], cold: llama_cpp.Llama) -> None:
