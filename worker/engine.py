@@ -153,11 +153,15 @@ class Engine(PrefixFinder):
         other = copy.copy(self)
         other.llm = SeqView(self.batcher, seq, self.settings.parallel, self.settings.n_ctx)
         other.name, other.owner, other._pending, other._deferred = name, False, None, None
+        if self.leases is not None and self.store is not None:  # a lease names the sequence holding it
+            other.leases = Leases(self.store.index.r, name, self.settings.lease_s, self.settings.lease_wait_min_s)
         other.forget_context()
         return other
 
     def close(self) -> None:
         if not self.owner:
+            if self.leases is not None:
+                self.leases.close()
             return
         if self.batcher is not None:
             self.batcher.close()

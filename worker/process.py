@@ -295,7 +295,8 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
     finally:
         for t in others:
             t.join()
-        engine.close()
+        for e in reversed(engines):  # the first opened the context: it closes last
+            e.close()
 
 
 def _serve(settings: WorkerSettings, worker: KvpoolWorker, engine: Engine, health: Health | None, burst: bool) -> None:

@@ -194,6 +194,27 @@ def test_a_restore_into_one_sequence_while_three_decode(engines: list[Engine], c
         assert np.array_equal(a.logits, ref_logits) and a.tokens == ref_tokens
 
 
+def test_two_sequences_sent_the_same_prompt_at_once_evaluate_it_once(engines: list[Engine], cold: llama_cpp.Llama) -> None:
+    """Each sequence leases under its own name: one evaluates the prompt's chunks, the other waits for them and restores."""
+    for e in engines[:2]:
+        assert e.leases is not None
+        e.forget_context()
+        e.leases.min_wait_s = 120.0  # wait for the publish, however long the evaluation takes on this machine
+    try:
+        prompt = cold.tokenize(prompt_text(43, 300).encode())
+        a, b = together([lambda e=e: ask(e, prompt) for e in engines[:2]])
+    finally:
+        for e in engines[:2]:
+            assert e.leases is not None
+            e.leases.min_wait_s = 0.0
+    assert {engines[0].leases.owner, engines[1].leases.owner} == {"b.0", "b.1"}
+    full = len(prompt) // CHUNK * CHUNK
+    assert sorted([a.cached_store, b.cached_store])[1] >= full, "both sequences evaluated the prompt"
+    ref_logits, ref_tokens = cold_answer(cold, prompt)
+    for x in (a, b):
+        assert np.array_equal(x.logits, ref_logits) and x.tokens == ref_tokens
+
+
 NO_EOS = {"logit_bias": {2: -100.0}, "max_tokens": 2000}
 
 
