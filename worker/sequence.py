@@ -51,7 +51,7 @@ class SeqView:
         self._seed = self._llm._seed
         self._requires_eval = True
         self._cand, self._cand_view = token_data(batcher.n_vocab)
-        self._cand_view["id"] = np.arange(batcher.n_vocab, dtype=np.intc)
+        self._ids = np.arange(batcher.n_vocab, dtype=np.intc)
 
     # -- what the engine reads of a Llama --------------------------------------------
 
@@ -148,7 +148,7 @@ class SeqView:
         """What ``llama_sampler_sample`` does with the context's logits, done with this sequence's copy."""
         assert self._sampler is not None and idx is None
         view = self._cand_view
-        view["id"] = np.arange(len(view), dtype=np.intc)
+        view["id"] = self._ids  # the chain sorts the array in place: put every id back
         view["logit"] = self.logits
         view["p"] = 0.0
         arr = llama_cpp.llama_token_data_array(
