@@ -210,10 +210,32 @@ class RedisIndex:
             args += [k.hex(), score]
         self._call(lambda: self._pin(keys=[self.lru_key, *[self._chunk(k) for k, _ in entries]], args=args))
 
-    def add(self, key: bytes, namespace: bytes, index: int, size: int, now: float | None = None, *, parent: bytes | None = None) -> bool:
-        """Index one stored blob (``parent``: the chunk it follows, linked for `drop_tree`); False when it was already indexed."""
+    def add(
+        self,
+        key: bytes,
+        namespace: bytes,
+        index: int,
+        size: int,
+        now: float | None = None,
+        *,
+        parent: bytes | None = None,
+        leaf: bool = False,
+    ) -> bool:
+        """Index one stored blob (``parent``: the chunk it follows, linked for `drop_tree`); False when it was already indexed.
+
+        A ``leaf`` (a whole-state checkpoint, `store.checkpoints`) has nothing hanging from it
+        and sorts like a tail: evicted before any chunk used at the same time.
+        """
         t = time.time() if now is None else now
-        args = [namespace.hex(), index, size, repr(t), lru_score(t, index), key.hex(), parent.hex() if parent else ""]
+        args = [
+            namespace.hex(),
+            index,
+            size,
+            repr(t),
+            lru_score(t, TAIL_DEPTH if leaf else index),
+            key.hex(),
+            parent.hex() if parent else "",
+        ]
         keys = [self._chunk(key), self.lru_key, self.bytes_key, *([f"{self.prefix}children:{parent.hex()}"] if parent else [])]
         return bool(self._call(lambda: self._add(keys=keys, args=args)))
 

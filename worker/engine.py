@@ -40,9 +40,11 @@ from pathlib import Path
 import numpy as np
 
 from store.chain import Namespace, prefix_namespace
+from store.checkpoints import Checkpoints
 from store.fingerprint import fingerprint_file
 from store.store import Store
 from worker import metrics
+from worker.checkpoints import check_checkpoint, checkpoint_depths, evaluate_saving
 from worker.decoding import DecodeMode, choose_mode, complete_answer, decode_step
 from worker.errors import JobRejected
 from worker.leases import EvalRate, Leases
@@ -81,6 +83,7 @@ class Engine(PrefixFinder):
             CACHE_TYPE_NAMES.get(self.kv.type_v, str(self.kv.type_v)),
             self.kv.flash_attn,
             kernels_field(self.kernels, settings.share_across_kernels),
+            checkpoints=self.kv.checkpoints,
         )
         self.labels = {"model": Path(model_path).name, "layout": self.layout.canonical()}
         if store is not None:  # what `kvpool store stats` says of the namespaces this worker publishes to
@@ -92,8 +95,10 @@ class Engine(PrefixFinder):
         self._deferred: tuple[Namespace, list[int]] | None = None
         self.restore_enabled = False
         self.exact = False
+        self.checkpoints: Checkpoints | None = None
+        """Set when this model's state is stored whole at chunk boundaries (`worker.checkpoints`), not cut into cells."""
         if not self.kv.cuttable:
-            log.warning("restore.disabled", extra={"reason": self.kv.reason, "model": self.labels["model"]})
+            self._start_checkpoints(settings, store)
         elif settings.self_check:
             from worker.selfcheck import check_restore
 
@@ -117,6 +122,27 @@ class Engine(PrefixFinder):
             if store is not None and self.publisher and settings.coalesce
             else None
         )
+
+    def _start_checkpoints(self, settings: WorkerSettings, store: Store | None) -> None:
+        """A memory that cannot be cut: restore and publish whole-state checkpoints if the start-up check proves them exact."""
+        if not self.kv.checkpoints or store is None or self.batcher is not None:
+            why = self.kv.reason if not self.kv.checkpoints else "no store" if store is None else "KVPOOL_PARALLEL > 1"
+            log.warning("restore.disabled", extra={"reason": why, "model": self.labels["model"]})
+            return
+        check = check_checkpoint(self.llm) if settings.self_check else None
+        self.restore_enabled = check.ok if check else True
+        self.exact = check.exact if check else False
+        if check is not None:
+            level = logging.INFO if check.ok else logging.ERROR
+            log.log(level, "restore.selfcheck", extra={"ok": check.ok, "exact": check.exact, "kind": "checkpoint", "detail": check.detail})
+        if self.restore_enabled:
+            self.checkpoints = Checkpoints(store)
+            log.info("restore.checkpoints", extra={"reason": self.kv.reason, "every": settings.checkpoint_every})
+
+    @property
+    def publishes_cells(self) -> bool:
+        """Prompt cells go to the store chunk by chunk (a cuttable cache whose restores passed the check)."""
+        return self.restore_enabled and self.kv.cuttable
 
     def identity(self) -> dict[str, str]:
         """What decides this worker's bits, for /readyz and ``kvpool_worker_info``."""
@@ -189,7 +215,7 @@ class Engine(PrefixFinder):
         try:
             self._count_prompt(plan, len(tokens))
             t_eval = time.perf_counter()
-            scored = self._evaluate(spec, tokens, plan.start)
+            scored = self._evaluate(spec, ns, tokens, keys, plan.start)
             self.eval_rate.observe(len(tokens) - plan.start, time.perf_counter() - t_eval)
             self.context_tenant, self.exact_upto = spec.tenant_salt, len(tokens)
             try:
@@ -233,11 +259,17 @@ class Engine(PrefixFinder):
         self._store_hit(ns, tokens, keys, plan)
         return plan
 
-    def _evaluate(self, spec: JobSpec, tokens: list[int], start: int) -> list[TokenEvent] | None:
-        if spec.sampling.prompt_logprobs is None:
+    def _evaluate(self, spec: JobSpec, ns: Namespace, tokens: list[int], keys: list[bytes], start: int) -> list[TokenEvent] | None:
+        if spec.sampling.prompt_logprobs is not None:
+            return score_prompt(self.llm, tokens, spec.sampling.prompt_logprobs)
+        if self.checkpoints is None or self.publisher is None:
             evaluate_prompt(self.llm, tokens, start)
             return None
-        return score_prompt(self.llm, tokens, spec.sampling.prompt_logprobs)
+        depths = checkpoint_depths(start, len(tokens), ns.chunk_size, self.settings.checkpoint_every)
+        states = evaluate_saving(self.llm, tokens, start, self.checkpoints.missing(keys, depths), ns.chunk_size)
+        if states:
+            self.publisher.submit_checkpoints(ns, tokens, states)
+        return None
 
     def _count_prompt(self, plan: Plan, n_prompt: int) -> None:
         metrics.PROMPT_TOKENS.labels(**self.labels).inc(n_prompt)
@@ -314,7 +346,7 @@ class Engine(PrefixFinder):
         (an answer cut short still publishes). Only the prompt: the answer follows in
         `after_answer` (exact decoding) or `settle`.
         """
-        if plan.published or self.publisher is None or not self.restore_enabled:
+        if plan.published or self.publisher is None or not self.publishes_cells:
             return
         plan.published = True
         release = self._handoff(plan)
@@ -337,7 +369,7 @@ class Engine(PrefixFinder):
         breakpoints asked for its prefix to be kept whatever becomes of the answer: neither defers.
         """
         full = len(tokens) // ns.chunk_size * ns.chunk_size
-        if spec.wait_for_publish or spec.breakpoints or plan.store_tokens < full or plan.published or not self.restore_enabled:
+        if spec.wait_for_publish or spec.breakpoints or plan.store_tokens < full or plan.published or not self.publishes_cells:
             return self._publish(ns, tokens, plan, spec.breakpoints)
         plan.published = True
         self._handoff(plan)()
@@ -358,7 +390,7 @@ class Engine(PrefixFinder):
             held = self._complete_answer(tokens, generated)
             self._done_generating()
             if held is not None:
-                deferred = (ns, held) if self.restore_enabled else None
+                deferred = (ns, held) if self.publishes_cells else None
         if deferred is None or self.publisher is None:
             return
         state = self._snapshot()

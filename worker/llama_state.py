@@ -139,6 +139,11 @@ class ContextCache:
     """Why it cannot be cut, when it cannot."""
     prefix_reuse: bool = True
     """The context can be cut back to a prefix of what it holds (recurrent and hybrid memories cannot)."""
+    n_swa: int = 0
+    """Tokens a sliding-window layer attends to (0: none)."""
+    checkpoints: bool = False
+    """Not cuttable, but the whole state at a chunk boundary can be stored and restored (`worker.checkpoints`):
+    sliding-window, recurrent and hybrid memories, one position per token."""
 
     @property
     def v_trans(self) -> bool:
@@ -171,7 +176,7 @@ def context_cache(llm: Llama) -> ContextCache:
     flash_attn = params.flash_attn_type != llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     rot_disabled = attn_rot_disabled()
 
-    reason = None
+    reason, whole = None, True
     rope_type = llama_cpp.llama_model_rope_type(model)
     recurrent, hybrid = llama_cpp.llama_model_is_recurrent(model), llama_cpp.llama_model_is_hybrid(model)
     if recurrent:
@@ -180,14 +185,14 @@ def context_cache(llm: Llama) -> ContextCache:
         reason = "hybrid attention/recurrent memory"
     elif llama_cpp.llama_model_n_swa(model) > 0:
         reason = "sliding-window cache keeps only the window and writes a second section"
-    elif llama_cpp.llama_model_has_encoder(model):
-        reason = "encoder-decoder model"
+    if llama_cpp.llama_model_has_encoder(model):
+        reason, whole = "encoder-decoder model", False
     elif rope_type in (
         llama_cpp.LLAMA_ROPE_TYPE_MROPE,
         llama_cpp.LLAMA_ROPE_TYPE_IMROPE,
         llama_cpp.LLAMA_ROPE_TYPE_VISION,
     ):
-        reason = "multi-dimensional positions are not one per token"
+        reason, whole = "multi-dimensional positions are not one per token", False
 
     return ContextCache(
         type_k=type_k,
@@ -201,6 +206,8 @@ def context_cache(llm: Llama) -> ContextCache:
         cuttable=reason is None,
         reason=reason,
         prefix_reuse=not (recurrent or hybrid),
+        n_swa=max(0, int(llama_cpp.llama_model_n_swa(model))),
+        checkpoints=reason is not None and whole,
     )
 
 

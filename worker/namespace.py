@@ -34,8 +34,12 @@ def kernels_field(kernels: KernelFingerprint, share_across_kernels: bool) -> str
     return SHARED_KERNELS if share_across_kernels else kernels.digest
 
 
-def cache_format(type_k: str, type_v: str, flash_attn: bool, kernels: str) -> CacheFormat:
-    """The layout; ``kernels`` is `kernels_field` of the worker's fingerprint."""
+def cache_format(type_k: str, type_v: str, flash_attn: bool, kernels: str, *, checkpoints: bool = False) -> CacheFormat:
+    """The layout; ``kernels`` is `kernels_field` of the worker's fingerprint.
+
+    ``checkpoints``: blobs hold a whole sequence state at a chunk boundary (`store.checkpoints`),
+    not the chunk's cells, so they live in namespaces of their own.
+    """
     return CacheFormat.of(
         type_k.lower(),
         type_v.lower(),
@@ -45,6 +49,7 @@ def cache_format(type_k: str, type_v: str, flash_attn: bool, kernels: str) -> Ca
             "llama_cpp": llama_cpp.__version__,
             "attn_rot": "off" if attn_rot_disabled() else "on",
             "kernels": kernels,
+            **({"state": "checkpoint"} if checkpoints else {}),
         },
     )
 
@@ -54,11 +59,11 @@ def worker_kernels(settings: WorkerSettings) -> KernelFingerprint:
     return library_fingerprint(settings.n_gpu_layers)
 
 
-def namespace_for(settings: WorkerSettings, model_fingerprint: str, tenant_salt: str = "") -> Namespace:
+def namespace_for(settings: WorkerSettings, model_fingerprint: str, tenant_salt: str = "", *, checkpoints: bool = False) -> Namespace:
     kernels = kernels_field(worker_kernels(settings), settings.share_across_kernels)
     return Namespace(
         model_fingerprint,
-        cache_format(settings.type_k, settings.type_v, settings.flash_attn, kernels),
+        cache_format(settings.type_k, settings.type_v, settings.flash_attn, kernels, checkpoints=checkpoints),
         settings.chunk_size,
         tenant_salt,
     )

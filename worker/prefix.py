@@ -19,19 +19,23 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import llama_cpp
 import numpy as np
 import redis
 
 from store.chain import Namespace
+from store.checkpoints import Checkpoints
 from store.errors import StoreError, StoreUnavailable
 from store.store import Fetched, Store
 from store.tails import Hit
 from worker import metrics
+from worker.checkpoints import restore_checkpoint
 from worker.kvchunks import cut_state, head_cells, join_state
 from worker.kvstate import StateFormatError
 from worker.leases import Claim, EvalRate, LeaseOutcome, Leases, leased_by_others
 from worker.llama_state import ContextCache, Llama, StateReadError, StateRestoreError, read_seq_state, restore_seq_state
 from worker.protocol import StoreStatus
+from worker.sequence import SeqView
 
 log = logging.getLogger("kvpool.worker")
 
@@ -68,6 +72,7 @@ class PrefixFinder:
     name: str
     leases: Leases | None
     eval_rate: EvalRate
+    checkpoints: Checkpoints | None
 
     def forget_context(self) -> None:
         raise NotImplementedError
@@ -81,6 +86,9 @@ class PrefixFinder:
         plan = Plan(store_status="ok" if self.store else "disabled")
         n_local = self._local_prefix(ns, tokens)
         plan.cached_context = min(n_local, keepable(tokens))
+        if self.checkpoints is not None:
+            self._restore_checkpoint(ns, tokens, keys, n_local, plan)
+            return plan
         hit = self._store_hit(ns, tokens, keys, plan)
         if hit is not None and min(hit.tokens, keepable(tokens)) > plan.cached_context:
             self._restore(ns, tokens, keys, n_local, hit, plan)
@@ -93,7 +101,7 @@ class PrefixFinder:
         they expired), or after as long as evaluating those tokens here would take. Then
         the prefix is found again, and what is still missing is leased and evaluated here.
         """
-        if self.leases is None or not self.restore_enabled:
+        if self.leases is None or not self.restore_enabled or self.checkpoints is not None:
             return plan
         c = ns.chunk_size
         ahead = keys[plan.start // c :]
@@ -137,7 +145,8 @@ class PrefixFinder:
         held = self.llm.input_ids[: min(self.exact_upto, self.llm.n_tokens)]
         upto = min(len(held), len(tokens))
         diff = np.flatnonzero(held[:upto] != np.asarray(tokens[:upto]))
-        return int(diff[0]) if diff.size else upto
+        n = int(diff[0]) if diff.size else upto
+        return n if window_held(self.llm, self.kv, n) else 0
 
     def _store_hit(self, ns: Namespace, tokens: list[int], keys: list[bytes], plan: Plan) -> Hit | None:
         """How much of the prompt the store holds; None when it cannot help."""
@@ -196,6 +205,63 @@ class PrefixFinder:
         metrics.RESTORE_BYTES.labels(**self.labels).inc(sum(len(p) for p in remote))
         plan.cached_context = min(local_chunks * c, keepable(tokens))
         plan.cached_store = min(n_restore, keepable(tokens)) - plan.cached_context
+
+    def _restore_checkpoint(self, ns: Namespace, tokens: list[int], keys: list[bytes], n_local: int, plan: Plan) -> None:
+        """For a memory stored whole (`store.checkpoints`): restore the deepest checkpoint on the chain if it beats the context."""
+        if self.store is None or self.checkpoints is None or len(tokens) < 3:
+            return
+        c = ns.chunk_size
+        t0 = time.perf_counter()
+        try:
+            depth = self.checkpoints.deepest(keys[: keepable(tokens) // c])
+        except StoreUnavailable as e:
+            plan.store_status = "unavailable"
+            metrics.COLD_FALLBACKS.labels(**self.labels, reason="store_unavailable").inc()
+            log.warning("store.unavailable", extra={"endpoint": e.endpoint, "reason": e.reason})
+            return
+        plan.timings["lookup"] = time.perf_counter() - t0
+        plan.store_depth, plan.store_tokens = depth, depth * c
+        t1 = time.perf_counter()
+        payload = None
+        while depth * c > n_local:  # a missing or bad checkpoint leaves the index: the one before it may serve
+            payload = self.checkpoints.fetch(ns, tokens, keys, depth)
+            if payload is not None:
+                break
+            metrics.COLD_FALLBACKS.labels(**self.labels, reason="fetch_failed").inc()
+            try:
+                depth = self.checkpoints.deepest(keys[: depth - 1])
+            except StoreUnavailable:
+                break
+        plan.timings["fetch"] = time.perf_counter() - t1
+        if payload is None:
+            return
+        t2 = time.perf_counter()
+        try:
+            restore_checkpoint(self.llm, payload, tokens[: depth * c])
+        except StateRestoreError as e:
+            metrics.COLD_FALLBACKS.labels(**self.labels, reason="restore_failed").inc()
+            log.error("restore.failed", extra={"reason": str(e), "checkpoint": depth})
+            self.forget_context()
+            plan.cached_context = 0
+            return
+        plan.timings["restore"] = time.perf_counter() - t2
+        self.context_tenant, self.exact_upto = ns.tenant_salt, depth * c
+        metrics.RESTORE_SECONDS.labels(**self.labels).observe(time.perf_counter() - t1)
+        metrics.RESTORE_BYTES.labels(**self.labels).inc(len(payload))
+        plan.cached_context, plan.cached_store = 0, depth * c
+
+
+def window_held(llm: Llama, kv: ContextCache, n: int) -> bool:
+    """Whether the context can be cut back to ``n`` cells: a sliding-window cache must still hold the window before ``n``.
+
+    It keeps only the cells a next token may attend to, so after a checkpoint's restore, or
+    once old cells were reused, an earlier position's window is gone (llama-server makes
+    the same test before it reuses a slot).
+    """
+    if kv.n_swa == 0 or n == 0:
+        return True
+    ctx, seq = (llm.batcher.llm.ctx, llm.seq) if isinstance(llm, SeqView) else (llm.ctx, 0)
+    return int(llama_cpp.llama_memory_seq_pos_min(llama_cpp.llama_get_memory(ctx), seq)) <= max(0, n - kv.n_swa)
 
 
 def keepable(tokens: list[int]) -> int:

@@ -282,7 +282,9 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
     engine = Engine(settings, resolve_model(settings), store=open_store(settings), name=names[0])
     engines = [engine, *(engine.for_sequence(seq, name) for seq, name in enumerate(names[1:], start=1))]
     metrics.BUSY.labels(**engine.labels).set(0)
-    outcome, passed = self_check_outcome(engine.kv.cuttable, settings.self_check, engine.restore_enabled, engine.exact)
+    outcome, passed = self_check_outcome(
+        engine.kv.cuttable or engine.checkpoints is not None, settings.self_check, engine.restore_enabled, engine.exact
+    )
     health.model_loaded(self_check=outcome, passed=passed, identity={"layout": engine.layout.canonical(), **engine.identity()})
     others = [
         threading.Thread(target=_serve, args=(settings, w, e, None, burst), name=f"kvpool-{w.name}")

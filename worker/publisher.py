@@ -17,9 +17,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from store.chain import Namespace, tail_key
+from store.checkpoints import Checkpoints
 from store.errors import StoreError
 from store.store import Store
 from worker import metrics
@@ -29,13 +31,24 @@ from worker.protocol import Breakpoint
 
 log = logging.getLogger("kvpool.worker.publish")
 
-_Task = tuple[Namespace, list[int], Buffer | None, Callable[[], None] | None, list[Breakpoint]]
-"""What to publish: the namespace, the tokens, the state holding their cells, and what to run when done."""
+
+@dataclass
+class _Task:
+    """What to publish: the namespace, the tokens, the state holding their cells, and what to run when done."""
+
+    ns: Namespace
+    tokens: list[int]
+    state: Buffer | None
+    on_done: Callable[[], None] | None = None
+    breakpoints: list[Breakpoint] = field(default_factory=list)
+    checkpoints: Mapping[int, Buffer] = field(default_factory=dict)
+    """Whole states by chunks covered (`store.checkpoints`), for memories that cannot be cut."""
 
 
 class Publisher:
     def __init__(self, store: Store, max_pending: int, labels: dict[str, str]) -> None:
         self.store = store
+        self.checkpoints = Checkpoints(store)
         self.labels = labels
         self._tasks: queue.Queue[_Task | None] = queue.Queue(maxsize=max_pending)
         """Tasks in order; ``None`` stops the thread."""
@@ -54,14 +67,21 @@ class Publisher:
 
         ``on_done`` runs once the task is over, whether it published, failed or was dropped.
         """
+        return self._put(_Task(ns, list(tokens), state, on_done, list(breakpoints)))
+
+    def submit_checkpoints(self, ns: Namespace, tokens: Sequence[int], states: Mapping[int, Buffer]) -> bool:
+        """Queue whole-state checkpoints of ``tokens`` (chunks covered -> state) for publishing; False if dropped."""
+        return self._put(_Task(ns, list(tokens), None, checkpoints=states))
+
+    def _put(self, task: _Task) -> bool:
         try:
-            self._tasks.put_nowait((ns, list(tokens), state, on_done, list(breakpoints)))
+            self._tasks.put_nowait(task)
             return True
         except queue.Full:
             metrics.PUBLISH_ERRORS.labels(**self.labels, reason="queue_full").inc()
-            log.warning("publish.dropped", extra={"reason": "queue full", "tokens": len(tokens)})
-            if on_done is not None:
-                on_done()
+            log.warning("publish.dropped", extra={"reason": "queue full", "tokens": len(task.tokens)})
+            if task.on_done is not None:
+                task.on_done()
             return False
 
     @property
@@ -90,10 +110,12 @@ class Publisher:
             try:
                 if task is None:
                     return
-                ns, tokens, state, on_done, breakpoints = task
-                if state is not None:
-                    self._publish(ns, tokens, state)
-                self._keep(ns, tokens, state, breakpoints)
+                on_done = task.on_done
+                if task.checkpoints:
+                    self._publish_checkpoints(task.ns, task.tokens, task.checkpoints)
+                if task.state is not None:
+                    self._publish(task.ns, task.tokens, task.state)
+                self._keep(task.ns, task.tokens, task.state, task.breakpoints)
             except (StoreError, StateFormatError) as e:
                 metrics.PUBLISH_ERRORS.labels(**self.labels, reason=type(e).__name__).inc()
                 log.warning("publish.failed", extra={"error": type(e).__name__, "reason": str(e)})
@@ -151,3 +173,13 @@ class Publisher:
         metrics.PUBLISH_SECONDS.labels(**self.labels).observe(time.perf_counter() - t0)
         metrics.PUBLISH_BYTES.labels(**self.labels).inc(sent)
         log.info("publish.done", extra={"chunks": added, "from_chunk": first, "to_chunk": len(keys), "tail": tail is not None})
+
+    def _publish_checkpoints(self, ns: Namespace, tokens: list[int], states: Mapping[int, Buffer]) -> None:
+        t0 = time.perf_counter()
+        payloads = {d: bytes(st) for d, st in states.items()}
+        added = self.checkpoints.publish(ns, tokens, ns.chain(tokens), payloads)
+        metrics.PUBLISH_SECONDS.labels(**self.labels).observe(time.perf_counter() - t0)
+        metrics.PUBLISH_BYTES.labels(**self.labels).inc(sum(len(p) for p in payloads.values()))
+        log.info(
+            "publish.checkpoints", extra={"checkpoints": added, "depths": sorted(states), "bytes": sum(len(p) for p in payloads.values())}
+        )

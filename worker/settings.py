@@ -107,6 +107,12 @@ class WorkerSettings(PoolSettings):
         "still one chunk each (0: each at once). The first token is never held.",
     )
     publish: bool = Field(True, description="Publish newly evaluated chunks to the store.")
+    checkpoint_every: int = Field(
+        1,
+        ge=1,
+        description="For models whose state cannot be cut into chunks (sliding-window, recurrent, hybrid): store the whole "
+        "state at every n-th chunk boundary of a prompt (each checkpoint holds the whole window or recurrent state).",
+    )
     exact_decode: Literal["auto", "single", "pair", "off"] = Field(
         "auto",
         description="How generated tokens are decoded so that their cells are a cold evaluation's and the next chat turn "

@@ -6,7 +6,6 @@ import time
 import urllib.request
 
 import boto3
-import llama_cpp
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
@@ -238,49 +237,3 @@ def test_worker_metrics(start_worker, client) -> None:
     assert samples["kvpool_worker_exact_reuse"] == 1
     assert samples["kvpool_worker_busy"] == 0
     assert samples["kvpool_worker_generated_tokens_total"] > 0
-
-
-@pytest.mark.parametrize(
-    "size,reason,context_reuse",
-    [("tiny-swa", "sliding-window", True), ("tiny-ssm", "recurrent", False)],
-    ids=["sliding-window", "recurrent"],
-)
-def test_a_model_whose_cache_cannot_be_cut_is_served_cold_and_right(
-    start_worker, redis_url, uncuttable_models, size: str, reason: str, context_reuse: bool
-) -> None:
-    """Such caches are never restored or published; the worker says so, reports what it reused and stays right.
-
-    A sliding-window context can still be cut back to a prefix, so the worker reuses its own
-    context; a recurrent state cannot, so it evaluates every prompt in full.
-    """
-    from gateway.pool.procs import free_port
-
-    model = uncuttable_models[size]
-    port = free_port()
-    w1 = start_worker("w1", KVPOOL_MODEL=str(model), KVPOOL_METRICS_PORT=str(port))
-    start_worker("w2", KVPOOL_MODEL=str(model))
-    client = PoolClient(redis.Redis.from_url(redis_url), model)
-    cold = llama_cpp.Llama(str(model), n_ctx=2048, n_threads=1, verbose=False, flash_attn=False)
-    prefix = client.tokens(prompt_text(11, 120))
-    first_prompt = prefix + client.tokens(" what does the river say")
-    second_prompt = prefix + client.tokens(" and where is the harbor lantern")
-
-    first = client.run(first_prompt, worker="w1")
-    assert first.usage.cached_tokens == 0
-    assert first.tokens == cold_greedy(cold, first_prompt, 24)
-    same_worker = client.run(second_prompt, worker="w1")
-    assert same_worker.usage.cached_from_store == 0
-    assert (same_worker.usage.cached_from_context == lcp(first_prompt, second_prompt)) is context_reuse
-    assert same_worker.usage.evaluated_tokens == len(second_prompt) - same_worker.usage.cached_from_context
-    assert same_worker.tokens == cold_greedy(cold, second_prompt, 24)
-    other_worker = client.run(second_prompt, worker="w2")
-    assert other_worker.usage.cached_tokens == 0
-    assert other_worker.tokens == same_worker.tokens
-
-    keys = namespace_for(client.settings, client.fingerprint, "").chain(first_prompt)
-    assert RedisIndex(client.conn).deepest(keys) == 0, "chunks of an uncuttable cache were published"
-    assert "restore.disabled" in w1.log() and reason in w1.log()
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    samples = {(s.name, s.labels.get("reason")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
-    assert samples[("kvpool_worker_restore_enabled", None)] == 0
-    assert samples[("kvpool_worker_cold_fallbacks_total", "restore_disabled")] == 2

@@ -1,0 +1,148 @@
+"""Models whose cache cannot be cut into chunks share whole-state checkpoints instead: real redis-server, S3 over HTTP.
+
+A sliding-window cache (``tiny-swa``, cohere2) holds only the window, a recurrent memory
+(``tiny-ssm``, mamba) one block per sequence. Their workers store the whole state at each
+chunk boundary of a prompt, keyed by the boundary's chain key (`store.checkpoints`), and
+any worker resumes from the deepest one on a prompt's chain, answering as a cold run does.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from pathlib import Path
+
+import boto3
+import llama_cpp
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.pool.procs import free_port
+from store.blob import BlobName
+from store.index import RedisIndex
+from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, prompt_text
+from worker.checkpoints import checkpoint_depths
+from worker.namespace import namespace_for
+
+C = POOL_CHUNK
+
+pytestmark = pytest.mark.fp_path  # answers are compared with a cold run, bit for bit or token for token
+
+KINDS = pytest.mark.parametrize("size", ["tiny-swa", "tiny-ssm"], ids=["sliding-window", "recurrent"])
+
+
+def wait_checkpoints(client: PoolClient, tokens: list[int], depths: list[int], timeout_s: float = 20.0) -> list[bytes]:
+    """Publishing runs in the background: wait until a checkpoint is indexed at each of ``depths``; returns the chain's keys."""
+    keys = namespace_for(client.settings, client.fingerprint, checkpoints=True).chain(tokens)
+    index = RedisIndex(client.conn)
+    deadline = time.monotonic() + timeout_s
+    while not all(index.present([keys[d - 1] for d in depths])):
+        assert time.monotonic() < deadline, f"checkpoints {depths} not all published"
+        time.sleep(0.05)
+    return keys
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@pytest.fixture
+def cold(uncuttable_models: dict[str, Path], request: pytest.FixtureRequest) -> llama_cpp.Llama:
+    size = request.node.callspec.params["size"]
+    return llama_cpp.Llama(str(uncuttable_models[size]), n_ctx=2048, n_threads=1, verbose=False, flash_attn=False)
+
+
+@KINDS
+def test_a_prompt_evaluated_on_one_worker_resumes_on_another_from_its_deepest_checkpoint(
+    start_worker, redis_url, uncuttable_models, cold, size: str
+) -> None:
+    model = uncuttable_models[size]
+    port = free_port()
+    w1 = start_worker("w1", KVPOOL_MODEL=str(model))
+    start_worker("w2", KVPOOL_MODEL=str(model), KVPOOL_METRICS_PORT=str(port))
+    start_worker("w3", KVPOOL_MODEL=str(model))
+    client = PoolClient(redis.Redis.from_url(redis_url), model)
+    prefix = client.tokens(prompt_text(11, 120))
+    first_prompt = prefix + client.tokens(" what does the river say")
+    second_prompt = prefix + client.tokens(" and where is the harbor lantern")
+
+    first = client.run(first_prompt, worker="w1")
+    assert first.usage.cached_tokens == 0
+    assert first.tokens == cold_greedy(cold, first_prompt, 24)
+    depths = checkpoint_depths(0, len(first_prompt), C, 1)
+    assert len(depths) >= 3
+    wait_checkpoints(client, first_prompt, depths)
+    cells = namespace_for(client.settings, client.fingerprint).chain(first_prompt)
+    assert RedisIndex(client.conn).deepest(cells) == 0, "no cells of an uncuttable cache were published as chunks"
+    assert "restore.checkpoints" in w1.log() and "restore.selfcheck" in w1.log()
+
+    resumed = client.run(second_prompt, worker="w2", logprobs=5)
+    shared = min(lcp(first_prompt, second_prompt), len(second_prompt) - 2) // C * C
+    assert resumed.usage.cached_from_store == shared > 0, "restored at the deepest boundary the prompts share"
+    assert resumed.usage.cached_from_context == 0
+    assert resumed.usage.evaluated_tokens == len(second_prompt) - shared
+    assert resumed.tokens == cold_greedy(cold, second_prompt, 24)
+    reference = client.run(second_prompt, worker="w3", tenant="elsewhere", logprobs=5)  # another tenant: nothing to restore
+    assert reference.usage.cached_tokens == 0
+    assert resumed.logprobs == reference.logprobs, "every token's logprob has the cold run's bits"
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels.get("reason")}
+    assert samples["kvpool_worker_restore_enabled"] == 1
+    assert samples["kvpool_worker_restored_tokens_total"] == shared
+
+
+@KINDS
+def test_a_corrupted_checkpoint_is_rejected_and_the_one_before_it_serves(
+    start_worker, redis_url, uncuttable_models, cold, store_settings_s3, size: str
+) -> None:
+    model = uncuttable_models[size]
+    start_worker("w1", KVPOOL_MODEL=str(model))
+    w2 = start_worker("w2", KVPOOL_MODEL=str(model))
+    client = PoolClient(redis.Redis.from_url(redis_url), model)
+    prompt = client.tokens(prompt_text(12, 140))
+    client.run(prompt, worker="w1")
+    depths = checkpoint_depths(0, len(prompt), C, 1)
+    keys = wait_checkpoints(client, prompt, depths)
+
+    ns = namespace_for(client.settings, client.fingerprint, checkpoints=True)
+    deepest = depths[-1]
+    name = str(BlobName(ns.key, deepest - 1, keys[deepest - 1]))
+    bucket, _, prefix = store_settings_s3.store_url.removeprefix("s3://").partition("/")
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=store_settings_s3.s3_endpoint_url,
+        aws_access_key_id=store_settings_s3.s3_access_key_id,
+        aws_secret_access_key=store_settings_s3.s3_secret_access_key,
+        region_name="us-east-1",
+    )
+    blob = bytearray(s3.get_object(Bucket=bucket, Key=f"{prefix}/{name}")["Body"].read())
+    blob[-100] ^= 0xFF
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=bytes(blob))
+
+    r = client.run(prompt, worker="w2")
+    assert r.usage.cached_from_store == (deepest - 1) * C, "the checkpoint before the bad one was restored"
+    assert r.tokens == cold_greedy(cold, prompt, 24)
+    assert "checkpoint.rejected" in w2.log()
+    s3.head_object(Bucket=bucket, Key=f"{prefix}/quarantine/{name}")
+
+
+def test_a_sliding_window_worker_never_cuts_back_past_the_window_a_restore_left(start_worker, redis_url, uncuttable_models) -> None:
+    """After a restore the context holds only the window's cells: a later prompt sharing less than that is not served from it."""
+    model = uncuttable_models["tiny-swa"]
+    start_worker("w1", KVPOOL_MODEL=str(model))
+    start_worker("w2", KVPOOL_MODEL=str(model))
+    client = PoolClient(redis.Redis.from_url(redis_url), model)
+    cold = llama_cpp.Llama(str(model), n_ctx=2048, n_threads=1, verbose=False, flash_attn=False)
+    long_prompt = client.tokens(prompt_text(13, 200))
+    client.run(long_prompt, worker="w1")
+    wait_checkpoints(client, long_prompt, checkpoint_depths(0, len(long_prompt), C, 1))
+    restored = client.run(long_prompt, worker="w2")
+    assert restored.usage.cached_from_store > 3 * C
+
+    short = long_prompt[: 2 * C] + client.tokens(" a different ending altogether")
+    again = client.run(short, worker="w2")
+    assert again.usage.cached_from_context == 0, "the window before position 64 was not restored, so it is not reused"
+    assert again.usage.cached_from_store == 2 * C, "the checkpoint at the boundary both prompts share serves instead"
+    assert again.tokens == cold_greedy(cold, short, 24)
