@@ -11,7 +11,7 @@ restores the deepest checkpoint on a prompt's chain and evaluates the rest.
 The exactness rules are those of cells. Every piece evaluated is at least two tokens
 (boundaries are whole chunks apart, and the last two prompt tokens are always evaluated
 together), so each token comes out of the batched kernels whatever the split, and the
-start-up check (`check_checkpoint`) proves on this model and CPU that a checkpoint
+start-up check (`worker.selfcheck.check_checkpoint`) proves on this model and CPU that a checkpoint
 restored and continued gives the cold evaluation's logits to the bit. A worker whose check
 fails serves cold.
 """
@@ -21,15 +21,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import llama_cpp
-import numpy as np
 
 from worker.kvstate import Buffer
-from worker.llama_state import Llama, StateRestoreError, clear_seq, evaluate_prompt, last_logits, read_seq_state, restore_seq_state
-from worker.selfcheck import SelfCheck
+from worker.llama_state import Llama, StateRestoreError, clear_seq, evaluate_prompt, read_seq_state, restore_seq_state
 from worker.sequence import SeqView
-
-CHECK_SUFFIX = 9
-"""Tokens evaluated after the restored checkpoint in the start-up check."""
 
 
 def checkpoint_depths(start: int, n: int, chunk_size: int, every: int) -> list[int]:
@@ -69,33 +64,3 @@ def restore_checkpoint(llm: Llama, state: Buffer, tokens: Sequence[int]) -> None
     if end != len(tokens) - 1:
         clear_seq(llm)
         raise StateRestoreError(f"the checkpoint ends at position {end}, expected {len(tokens) - 1}")
-
-
-def check_checkpoint(llm: Llama, seed: int = 0) -> SelfCheck:
-    """Prove on this model and CPU that a restored checkpoint plus a suffix gives the cold logits to the bit.
-
-    The checkpoint lies past the sliding window (where there is one), so that the restored
-    state holds only the window's cells. Leaves the context empty.
-    """
-    n_swa = max(0, int(llama_cpp.llama_model_n_swa(llm.model)))
-    k = (n_swa // 16 + 3) * 16
-    rng = np.random.default_rng(seed)
-    tokens = [int(t) for t in rng.integers(3, llm.n_vocab(), k + CHECK_SUFFIX)]
-    try:
-        llm.reset()
-        evaluate_prompt(llm, tokens, 0)
-        cold = last_logits(llm)
-        llm.reset()
-        evaluate_prompt(llm, tokens[:k], 0)
-        state = read_seq_state(llm)
-        llm.reset()
-        restore_checkpoint(llm, state, tokens[:k])
-        evaluate_prompt(llm, tokens, k)
-        warm = last_logits(llm)
-    except Exception as e:  # any failure here means: do not restore
-        return SelfCheck(False, False, f"{type(e).__name__}: {e}")
-    finally:
-        llm.reset()
-    exact = bool(np.array_equal(cold, warm))
-    diff = float(np.max(np.abs(cold - warm)))
-    return SelfCheck(exact, exact, f"checkpoint after {k} tokens ({len(state)} bytes), {CHECK_SUFFIX} more: max |diff| {diff:.3g}")

@@ -44,7 +44,7 @@ from store.checkpoints import Checkpoints
 from store.fingerprint import fingerprint_file
 from store.store import Store
 from worker import metrics
-from worker.checkpoints import check_checkpoint, checkpoint_depths, evaluate_saving
+from worker.checkpoints import checkpoint_depths, evaluate_saving
 from worker.decoding import DecodeMode, choose_mode, complete_answer, decode_step
 from worker.errors import JobRejected
 from worker.leases import EvalRate, Leases
@@ -55,6 +55,7 @@ from worker.protocol import Breakpoint, JobResult, JobSpec, Timings, TokenEvent,
 from worker.publisher import Publisher
 from worker.sampling import Output, job_result, sample_choices
 from worker.scoring import score_prompt
+from worker.selfcheck import startup_verdict
 from worker.sequence import SeqView
 from worker.settings import WorkerSettings
 from worker.settle import settle
@@ -93,21 +94,10 @@ class Engine(PrefixFinder):
         """Leading cells that hold exactly what a cold evaluation of their tokens would (never one-token decodes)."""
         self._pending: tuple[Namespace, list[int], list[int]] | None = None
         self._deferred: tuple[Namespace, list[int]] | None = None
-        self.restore_enabled = False
-        self.exact = False
-        self.checkpoints: Checkpoints | None = None
+        verdict = startup_verdict(self.llm, self.kv, settings, store=store is not None, shared=self.batcher is not None)
+        self.restore_enabled, self.exact = verdict.restore, verdict.exact
+        self.checkpoints = Checkpoints(store) if verdict.checkpoints and store is not None else None
         """Set when this model's state is stored whole at chunk boundaries (`worker.checkpoints`), not cut into cells."""
-        if not self.kv.cuttable:
-            self._start_checkpoints(settings, store)
-        elif settings.self_check:
-            from worker.selfcheck import check_restore
-
-            check = check_restore(self.llm, self.kv)
-            self.restore_enabled, self.exact = check.ok, check.exact
-            level = logging.INFO if check.ok else logging.ERROR
-            log.log(level, "restore.selfcheck", extra={"ok": check.ok, "exact": check.exact, "detail": check.detail})
-        else:
-            self.restore_enabled = True
         self.decode, why = (
             choose_mode(self.llm, settings.exact_decode) if self.kv.prefix_reuse else (DecodeMode.SETTLE, str(self.kv.reason))
         )
@@ -122,22 +112,6 @@ class Engine(PrefixFinder):
             if store is not None and self.publisher and settings.coalesce
             else None
         )
-
-    def _start_checkpoints(self, settings: WorkerSettings, store: Store | None) -> None:
-        """A memory that cannot be cut: restore and publish whole-state checkpoints if the start-up check proves them exact."""
-        if not self.kv.checkpoints or store is None or self.batcher is not None:
-            why = self.kv.reason if not self.kv.checkpoints else "no store" if store is None else "KVPOOL_PARALLEL > 1"
-            log.warning("restore.disabled", extra={"reason": why, "model": self.labels["model"]})
-            return
-        check = check_checkpoint(self.llm) if settings.self_check else None
-        self.restore_enabled = check.ok if check else True
-        self.exact = check.exact if check else False
-        if check is not None:
-            level = logging.INFO if check.ok else logging.ERROR
-            log.log(level, "restore.selfcheck", extra={"ok": check.ok, "exact": check.exact, "kind": "checkpoint", "detail": check.detail})
-        if self.restore_enabled:
-            self.checkpoints = Checkpoints(store)
-            log.info("restore.checkpoints", extra={"reason": self.kv.reason, "every": settings.checkpoint_every})
 
     @property
     def publishes_cells(self) -> bool:
@@ -202,7 +176,8 @@ class Engine(PrefixFinder):
     def run(self, spec: JobSpec, emit: Emit) -> JobResult:
         t_start = time.perf_counter()
         self._deferred = None
-        self._validate(spec)
+        if (misfit := spec.misfit(self.fingerprint, self.settings.chunk_size, self.settings.n_ctx, self.llm.n_vocab())) is not None:
+            raise JobRejected(misfit)
         ns = self.namespace(spec.tenant_salt)
         tokens = list(spec.tokens)
         if [k.hex() for k in self.prefix_chain(spec.tenant_salt, tokens)] != spec.chain:
@@ -301,19 +276,6 @@ class Engine(PrefixFinder):
             evaluated_tokens=n - plan.start,
         )
         return job_result(spec, outs, usage, timings, scored, worker=self.name, store_status=plan.store_status)
-
-    def _validate(self, spec: JobSpec) -> None:
-        if spec.model != self.fingerprint:
-            raise JobRejected(f"job is for model {spec.model}, this worker serves {self.fingerprint}")
-        if spec.chunk_size != self.settings.chunk_size:
-            raise JobRejected(f"job uses chunk size {spec.chunk_size}, this worker {self.settings.chunk_size}")
-        if len(spec.tokens) >= self.settings.n_ctx:
-            raise JobRejected(f"prompt of {len(spec.tokens)} tokens does not fit the context of {self.settings.n_ctx}")
-        if any(b.tokens > len(spec.tokens) for b in spec.breakpoints):
-            raise JobRejected(f"a breakpoint lies past the prompt's {len(spec.tokens)} tokens")
-        n_vocab = self.llm.n_vocab()
-        if any(t < 0 or t >= n_vocab for t in [*spec.tokens, *spec.sampling.logit_bias]):
-            raise JobRejected(f"token ids must lie in [0, {n_vocab})")
 
     def settle(self, job_waiting: Callable[[], bool]) -> None:
         """Without exact decoding: once the answer is out and the worker idles, evaluate the completion as prompt

@@ -101,6 +101,20 @@ class JobSpec(BaseModel):
         None, description="Hash of the tenant and the request's prompt_cache_key: where to route while no worker holds the prefix."
     )
 
+    def misfit(self, model: str, chunk_size: int, n_ctx: int, n_vocab: int) -> str | None:
+        """Why a worker serving ``model`` with this chunk size, context and vocabulary cannot run the job; None if it can."""
+        if self.model != model:
+            return f"job is for model {self.model}, this worker serves {model}"
+        if self.chunk_size != chunk_size:
+            return f"job uses chunk size {self.chunk_size}, this worker {chunk_size}"
+        if len(self.tokens) >= n_ctx:
+            return f"prompt of {len(self.tokens)} tokens does not fit the context of {n_ctx}"
+        if any(b.tokens > len(self.tokens) for b in self.breakpoints):
+            return f"a breakpoint lies past the prompt's {len(self.tokens)} tokens"
+        if any(t < 0 or t >= n_vocab for t in [*self.tokens, *self.sampling.logit_bias]):
+            return f"token ids must lie in [0, {n_vocab})"
+        return None
+
 
 def job_spec(
     tokens: list[int],

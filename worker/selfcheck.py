@@ -14,17 +14,25 @@ not exact. An inexact layout still restores, and says so in its metrics.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+import llama_cpp
 import numpy as np
 
+from worker.checkpoints import restore_checkpoint
 from worker.kvchunks import cut_state, join_state
 from worker.llama_state import ContextCache, Llama, evaluate_prompt, last_logits, read_seq_state, restore_seq_state
+from worker.settings import WorkerSettings
+
+log = logging.getLogger("kvpool.worker")
 
 CHECK_CHUNK = 16
 CHECK_CHUNKS = 3
 CHECK_SUFFIX = 5
 ATOL = 0.05
+CHECKPOINT_SUFFIX = 9
+"""Tokens evaluated after the restored checkpoint in `check_checkpoint`."""
 
 
 @dataclass(frozen=True)
@@ -62,3 +70,70 @@ def check_restore(llm: Llama, kv: ContextCache, seed: int = 0) -> SelfCheck:
         f"max |logit diff| {diff:.3g} (tolerance {ATOL}), argmax {'same' if same_argmax else 'differs'}, {'exact' if exact else 'inexact'}"
     )
     return SelfCheck(ok, exact, detail)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a worker may do with stored state, decided once at start-up."""
+
+    restore: bool
+    """Restore from the store and publish to it."""
+    exact: bool
+    """A restore gives the cold evaluation's bits."""
+    checkpoints: bool = False
+    """The state is stored whole at chunk boundaries (`worker.checkpoints`), not cut into cells."""
+
+
+def startup_verdict(llm: Llama, kv: ContextCache, settings: WorkerSettings, *, store: bool, shared: bool) -> Verdict:
+    """Run the start-up check that applies to this memory (cells or checkpoints) and log its outcome.
+
+    ``shared``: the context holds several sequences (`worker.slots`); checkpoints then stay off.
+    """
+    if kv.cuttable:
+        if not settings.self_check:
+            return Verdict(True, False)
+        check = check_restore(llm, kv)
+    elif not kv.checkpoints or not store or shared:
+        why = kv.reason if not kv.checkpoints else "no store" if not store else "KVPOOL_PARALLEL > 1"
+        log.warning("restore.disabled", extra={"reason": why})
+        return Verdict(False, False)
+    elif settings.self_check:
+        check = check_checkpoint(llm)
+    else:
+        return Verdict(True, False, checkpoints=True)
+    level = logging.INFO if check.ok else logging.ERROR
+    kind = "cells" if kv.cuttable else "checkpoint"
+    log.log(level, "restore.selfcheck", extra={"ok": check.ok, "exact": check.exact, "kind": kind, "detail": check.detail})
+    if check.ok and not kv.cuttable:
+        log.info("restore.checkpoints", extra={"reason": kv.reason, "every": settings.checkpoint_every})
+    return Verdict(check.ok, check.exact, checkpoints=check.ok and not kv.cuttable)
+
+
+def check_checkpoint(llm: Llama, seed: int = 0) -> SelfCheck:
+    """Prove on this model and CPU that a restored checkpoint plus a suffix gives the cold logits to the bit.
+
+    The checkpoint lies past the sliding window (where there is one), so that the restored
+    state holds only the window's cells. Leaves the context empty.
+    """
+    n_swa = max(0, int(llama_cpp.llama_model_n_swa(llm.model)))
+    k = (n_swa // 16 + 3) * 16
+    rng = np.random.default_rng(seed)
+    tokens = [int(t) for t in rng.integers(3, llm.n_vocab(), k + CHECKPOINT_SUFFIX)]
+    try:
+        llm.reset()
+        evaluate_prompt(llm, tokens, 0)
+        cold = last_logits(llm)
+        llm.reset()
+        evaluate_prompt(llm, tokens[:k], 0)
+        state = read_seq_state(llm)
+        llm.reset()
+        restore_checkpoint(llm, state, tokens[:k])
+        evaluate_prompt(llm, tokens, k)
+        warm = last_logits(llm)
+    except Exception as e:  # any failure here means: do not restore
+        return SelfCheck(False, False, f"{type(e).__name__}: {e}")
+    finally:
+        llm.reset()
+    exact = bool(np.array_equal(cold, warm))
+    diff = float(np.max(np.abs(cold - warm)))
+    return SelfCheck(exact, exact, f"checkpoint after {k} tokens ({len(state)} bytes), {CHECKPOINT_SUFFIX} more: max |diff| {diff:.3g}")

@@ -17,8 +17,9 @@ def client(redis_url: str, tiny_model: Path) -> PoolClient:
 
 @pytest.fixture(scope="session")
 def uncuttable_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Generated models whose state kvpool cannot cut: ``tiny-swa`` (cohere2, sliding window), ``tiny-ssm`` (mamba, recurrent)."""
+    """Generated models whose state kvpool cannot cut: ``tiny-swa`` (cohere2, sliding window), ``tiny-ssm`` (mamba, recurrent),
+    ``tiny-hybrid`` (jamba, Mamba and attention layers)."""
     from worker.models.synth import ensure_model
 
     folder = tmp_path_factory.mktemp("models")
-    return {size: ensure_model(size, folder) for size in ("tiny-swa", "tiny-ssm")}
+    return {size: ensure_model(size, folder) for size in ("tiny-swa", "tiny-ssm", "tiny-hybrid")}

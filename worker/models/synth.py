@@ -1,8 +1,9 @@
 """Deterministic random-weight GGUF models of the real ``llama`` architecture.
 
-(``tiny-swa`` is a ``cohere2`` model and ``tiny-ssm`` a ``mamba`` one instead: a
-sliding-window cache and a recurrent state are the kinds kvpool cannot cut into chunks,
-so tests can check that such models are served cold.)
+(``tiny-swa`` is a ``cohere2`` model, ``tiny-ssm`` a ``mamba`` one and ``tiny-hybrid`` a
+``jamba`` one, Mamba layers alternating with attention layers, instead: a sliding-window
+cache, a recurrent state and a hybrid memory are the kinds kvpool cannot cut into chunks
+and shares through whole-state checkpoints, so tests can check them.)
 
 The files load in llama.cpp (and llama-cpp-python) like any converted Llama model,
 so workers exercise the real prefill/decode and KV-cache code paths without
@@ -103,8 +104,8 @@ class ModelSpec:
             raise ValueError(f"dtype must be 'f16' or 'f32', not {self.dtype!r}")
         if self.n_embd % self.n_head or self.n_head % self.n_head_kv:
             raise ValueError("n_embd must divide by n_head and n_head by n_head_kv")
-        if self.arch not in ("llama", "cohere2", "mamba"):
-            raise ValueError(f"arch must be 'llama', 'cohere2' or 'mamba', not {self.arch!r}")
+        if self.arch not in ("llama", "cohere2", "mamba", "jamba"):
+            raise ValueError(f"arch must be 'llama', 'cohere2', 'mamba' or 'jamba', not {self.arch!r}")
 
     @property
     def ssm_dt_rank(self) -> int:
@@ -129,6 +130,7 @@ SIZES: dict[str, ModelSpec] = {
     "bench": ModelSpec(name="bench", n_vocab=32000, n_embd=2048, n_layer=22, n_head=32, n_head_kv=4, n_ff=5632, n_ctx_train=4096),
     "tiny-swa": replace(_TINY, name="tiny-swa", block_out_gain=8.0, arch="cohere2"),
     "tiny-ssm": replace(_TINY, name="tiny-ssm", n_embd=128, n_layer=2, dtype="f32", arch="mamba"),
+    "tiny-hybrid": replace(_TINY, name="tiny-hybrid", n_embd=128, n_ff=256, dtype="f32", arch="jamba"),
 }
 
 NEGATIVE_DECAY = -1.0
@@ -144,6 +146,8 @@ def _tensor_plan(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], float]]:
     """
     if spec.arch == "mamba":
         return _mamba_plan(spec)
+    if spec.arch == "jamba":
+        return _jamba_plan(spec)
     d, kv, ff = spec.n_embd, spec.n_embd_kv, spec.n_ff
     inv = 1.0 / np.sqrt(d)
     plan: list[tuple[str, tuple[int, ...], float]] = [
@@ -172,22 +176,58 @@ def _tensor_plan(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], float]]:
 
 def _mamba_plan(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], float]]:
     """The tensors of llama.cpp's ``mamba`` architecture (``src/models/mamba.cpp``)."""
-    d, inner, state, rank = spec.n_embd, 2 * spec.n_embd, spec.ssm_state, spec.ssm_dt_rank
+    d = spec.n_embd
     plan: list[tuple[str, tuple[int, ...], float]] = [("token_embd.weight", (spec.n_vocab, d), spec.embd_std)]
     for i in range(spec.n_layer):
-        plan += [
-            (f"blk.{i}.attn_norm.weight", (d,), 0.0),
-            (f"blk.{i}.ssm_in.weight", (2 * inner, d), 1.0 / np.sqrt(d)),
-            (f"blk.{i}.ssm_conv1d.weight", (inner, spec.ssm_conv), 1.0 / np.sqrt(spec.ssm_conv)),
-            (f"blk.{i}.ssm_conv1d.bias", (inner,), 0.1),
-            (f"blk.{i}.ssm_x.weight", (rank + 2 * state, inner), 3.0 / np.sqrt(inner)),
-            (f"blk.{i}.ssm_dt.weight", (inner, rank), 1.0 / np.sqrt(rank)),
-            (f"blk.{i}.ssm_dt.bias", (inner,), 0.5),
-            (f"blk.{i}.ssm_a", (inner, state), NEGATIVE_DECAY),
-            (f"blk.{i}.ssm_d", (inner,), 0.0),
-            (f"blk.{i}.ssm_out.weight", (d, inner), spec.block_out_gain / np.sqrt(inner)),
-        ]
+        plan += [(f"blk.{i}.attn_norm.weight", (d,), 0.0), *_ssm_tensors(spec, i)]
     plan += [("output_norm.weight", (d,), 0.0), ("output.weight", (spec.n_vocab, d), spec.out_gain / np.sqrt(d))]
+    return plan
+
+
+def _ssm_tensors(spec: ModelSpec, i: int) -> list[tuple[str, tuple[int, ...], float]]:
+    d, inner, state, rank = spec.n_embd, 2 * spec.n_embd, spec.ssm_state, spec.ssm_dt_rank
+    return [
+        (f"blk.{i}.ssm_in.weight", (2 * inner, d), 1.0 / np.sqrt(d)),
+        (f"blk.{i}.ssm_conv1d.weight", (inner, spec.ssm_conv), 1.0 / np.sqrt(spec.ssm_conv)),
+        (f"blk.{i}.ssm_conv1d.bias", (inner,), 0.1),
+        (f"blk.{i}.ssm_x.weight", (rank + 2 * state, inner), 3.0 / np.sqrt(inner)),
+        (f"blk.{i}.ssm_dt.weight", (inner, rank), 1.0 / np.sqrt(rank)),
+        (f"blk.{i}.ssm_dt.bias", (inner,), 0.5),
+        (f"blk.{i}.ssm_a", (inner, state), NEGATIVE_DECAY),
+        (f"blk.{i}.ssm_d", (inner,), 0.0),
+        (f"blk.{i}.ssm_out.weight", (d, inner), spec.block_out_gain / np.sqrt(inner)),
+    ]
+
+
+def jamba_kv_heads(spec: ModelSpec) -> list[int]:
+    """``jamba``: KV heads per layer; 0 marks a Mamba layer (every other one, starting with the first)."""
+    return [0 if i % 2 == 0 else spec.n_head_kv for i in range(spec.n_layer)]
+
+
+def _jamba_plan(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], float]]:
+    """The tensors of llama.cpp's ``jamba`` architecture (``src/models/jamba.cpp``): Mamba and attention layers, each with a dense FFN."""
+    d, kv, ff, inv = spec.n_embd, spec.n_embd_kv, spec.n_ff, 1.0 / np.sqrt(spec.n_embd)
+    plan: list[tuple[str, tuple[int, ...], float]] = [("token_embd.weight", (spec.n_vocab, d), spec.embd_std)]
+    for i, heads in enumerate(jamba_kv_heads(spec)):
+        plan.append((f"blk.{i}.attn_norm.weight", (d,), 0.0))
+        if heads == 0:
+            plan += _ssm_tensors(spec, i)
+            plan += [(f"blk.{i}.ssm_dt_norm.weight", (spec.ssm_dt_rank,), 0.0)]
+            plan += [(f"blk.{i}.ssm_b_norm.weight", (spec.ssm_state,), 0.0), (f"blk.{i}.ssm_c_norm.weight", (spec.ssm_state,), 0.0)]
+        else:
+            plan += [
+                (f"blk.{i}.attn_q.weight", (d, d), spec.qk_gain * inv),
+                (f"blk.{i}.attn_k.weight", (kv, d), spec.qk_gain * inv),
+                (f"blk.{i}.attn_v.weight", (kv, d), inv),
+                (f"blk.{i}.attn_output.weight", (d, d), spec.block_out_gain * inv),
+            ]
+        plan += [
+            (f"blk.{i}.ffn_norm.weight", (d,), 0.0),
+            (f"blk.{i}.ffn_gate.weight", (ff, d), inv),
+            (f"blk.{i}.ffn_up.weight", (ff, d), inv),
+            (f"blk.{i}.ffn_down.weight", (d, ff), spec.block_out_gain / np.sqrt(ff)),
+        ]
+    plan += [("output_norm.weight", (d,), 0.0), ("output.weight", (spec.n_vocab, d), spec.out_gain * inv)]
     return plan
 
 
@@ -236,9 +276,11 @@ def _add_metadata(writer: gguf.GGUFWriter, spec: ModelSpec, vocab: Vocab, seed: 
     writer.add_context_length(spec.n_ctx_train)
     writer.add_embedding_length(spec.n_embd)
     writer.add_block_count(spec.n_layer)
-    if spec.arch == "mamba":
-        writer.add_feed_forward_length(0)
-        writer.add_head_count(0)
+    if spec.arch in ("mamba", "jamba"):
+        writer.add_feed_forward_length(spec.n_ff if spec.arch == "jamba" else 0)
+        writer.add_head_count(spec.n_head if spec.arch == "jamba" else 0)
+        if spec.arch == "jamba":
+            writer.add_head_count_kv(jamba_kv_heads(spec))
         writer.add_ssm_conv_kernel(spec.ssm_conv)
         writer.add_ssm_inner_size(2 * spec.n_embd)
         writer.add_ssm_state_size(spec.ssm_state)

@@ -183,6 +183,18 @@ def test_tiny_ssm_is_a_recurrent_model_whose_prefix_matters(tmp_path_factory: py
     _assert_the_first_token_matters(ssm)
 
 
+def test_tiny_hybrid_is_a_jamba_model_of_mamba_and_attention_layers_whose_prefix_matters(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from worker.llama_state import context_cache
+
+    path = ensure_model("tiny-hybrid", tmp_path_factory.mktemp("models"))
+    hybrid = llama_cpp.Llama(str(path), n_ctx=512, n_threads=1, verbose=False)
+    assert hybrid.metadata["general.architecture"] == "jamba"
+    assert llama_cpp.llama_model_is_hybrid(hybrid.model) and not llama_cpp.llama_model_is_recurrent(hybrid.model)
+    layout = context_cache(hybrid)
+    assert not layout.cuttable and not layout.prefix_reuse and layout.checkpoints and "hybrid" in (layout.reason or "")
+    _assert_the_first_token_matters(hybrid)
+
+
 def _assert_the_first_token_matters(llm: llama_cpp.Llama) -> None:
     corpus = llm.tokenize(SAMPLE_TEXT.encode(), add_bos=False)
     rng = np.random.default_rng(0)

@@ -1,0 +1,86 @@
+"""Whole-state checkpoints in the store, on each backend: the deepest on a chain, verified fetch, eviction before chunks."""
+
+import time
+
+import numpy as np
+
+from store.blob import BlobName
+from store.chain import CacheFormat, Namespace
+from store.checkpoints import Checkpoints
+from store.maintenance import QUARANTINE_PREFIX
+from store.store import Store
+from tests.helpers import stored_depth
+
+CELLS = Namespace("fp", CacheFormat.of("f16", "f16", False), chunk_size=8)
+WHOLE = Namespace("fp", CacheFormat.of("f16", "f16", False, {"state": "checkpoint"}), chunk_size=8)
+
+
+def tokens_for(seed: int, n: int = 64) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 1000, n)
+
+
+def state(depth: int) -> bytes:
+    """A stand-in for the whole state after ``depth`` chunks (it grows with them, like a window model's)."""
+    return bytes([depth]) * (1000 + 100 * depth)
+
+
+def test_checkpoints_live_in_a_namespace_of_their_own() -> None:
+    tokens = tokens_for(0)
+    assert WHOLE.key != CELLS.key
+    assert not set(WHOLE.chain(tokens)) & set(CELLS.chain(tokens)), "a checkpoint key never names a chunk of cells"
+
+
+def test_the_deepest_checkpoint_on_a_chain_is_found_whatever_holes_lie_before_it(store: Store) -> None:
+    ck = Checkpoints(store)
+    tokens = tokens_for(1)
+    keys = WHOLE.chain(tokens)
+    assert ck.publish(WHOLE, tokens, keys, {2: state(2), 5: state(5)}) == 2
+    assert ck.deepest(keys) == 5
+    assert ck.deepest(keys[:4]) == 2, "a prompt that parts from the chain in chunk 5 gets the one before"
+    assert ck.deepest(keys[:1]) == 0
+    assert ck.missing(keys, [2, 3, 5, 6]) == [3, 6]
+    assert bytes(ck.fetch(WHOLE, tokens, keys, 5) or b"") == state(5)
+    assert ck.publish(WHOLE, tokens, keys, {2: state(2), 5: state(5)}) == 0, "publishing again adds nothing"
+
+
+def test_a_checkpoint_is_fetched_only_for_the_exact_tokens_it_was_published_for(store: Store) -> None:
+    ck = Checkpoints(store)
+    tokens = tokens_for(2)
+    keys = WHOLE.chain(tokens)
+    ck.publish(WHOLE, tokens, keys, {3: state(3)})
+    other = tokens.copy()
+    other[20] += 1  # inside the checkpoint's last chunk: the key differs, and so must the blob
+    assert ck.fetch(WHOLE, other, keys, 3) is None
+    assert store.backend.get(f"{QUARANTINE_PREFIX}{BlobName(WHOLE.key, 2, keys[2])}")
+    assert ck.deepest(keys) == 0, "a blob that fails verification leaves the index"
+
+
+def test_a_corrupted_or_missing_checkpoint_is_dropped_not_loaded(store: Store) -> None:
+    ck = Checkpoints(store)
+    tokens = tokens_for(3)
+    keys = WHOLE.chain(tokens)
+    ck.publish(WHOLE, tokens, keys, {2: state(2), 4: state(4)})
+    name = str(BlobName(WHOLE.key, 3, keys[3]))
+    blob = bytearray(store.backend.get(name))
+    blob[-10] ^= 0xFF
+    store.backend.put(name, bytes(blob))
+    assert ck.fetch(WHOLE, tokens, keys, 4) is None
+    assert ck.deepest(keys) == 2
+    store.backend.delete(str(BlobName(WHOLE.key, 1, keys[1])))
+    assert ck.fetch(WHOLE, tokens, keys, 2) is None
+    assert ck.deepest(keys) == 0
+
+
+def test_checkpoints_go_before_chunks_used_at_the_same_time_under_gc(store: Store) -> None:
+    cells, whole = tokens_for(4), tokens_for(5)
+    cell_keys, whole_keys = CELLS.chain(cells), WHOLE.chain(whole)
+    store.publish(CELLS, cells, cell_keys, {i: b"c" * 1500 for i in range(len(cell_keys))})
+    Checkpoints(store).publish(WHOLE, whole, whole_keys, {d: state(d) for d in (2, 4, 6)})
+    later = time.time() + 60
+    store.index.touch(cell_keys, now=later)
+    for d in (2, 4, 6):
+        store.index.touch([], tail=whole_keys[d - 1], now=later)
+    checkpoint_bytes = sum(store.index.get(whole_keys[d - 1]).size for d in (2, 4, 6))  # type: ignore[union-attr]
+    store.gc(max_bytes=store.index.total_bytes() - checkpoint_bytes)
+    assert Checkpoints(store).deepest(whole_keys) == 0, "every checkpoint went first"
+    assert stored_depth(store, CELLS, cell_keys) == len(cell_keys), "and no chunk went"
