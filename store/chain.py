@@ -57,6 +57,12 @@ _NS_MAGIC = b"kvpool/namespace"
 _TAIL_MAGIC = b"kvpool/tail"
 
 
+CHECKPOINT_EXTRA = ("state", "checkpoint")
+"""The layout extra of namespaces whose blobs are whole-state checkpoints (`store.checkpoints`), not cells."""
+CHECKPOINT_LAYOUT = "=".join(CHECKPOINT_EXTRA)
+"""How `CacheFormat.canonical` writes it."""
+
+
 @dataclass(frozen=True)
 class CacheFormat:
     """Every setting that changes the bytes of a KV cache for one model.

@@ -16,6 +16,7 @@ from typing import TypeVar
 from store import metrics
 from store.backends import BlobBackend
 from store.blob import BlobName, decode_blob
+from store.chain import CHECKPOINT_LAYOUT
 from store.errors import BlobCorrupt, BlobMismatch, BlobMissing
 from store.index import IndexEntry, RedisIndex
 
@@ -99,7 +100,8 @@ class Maintenance:
         Access times are lost with the old index: every chunk gets the same time, so
         eviction afterwards takes the deepest chunks first and still leaves no holes.
         Tails are deleted, not indexed: their tokens are not in their names, and the next
-        request that ends in one stores it again.
+        request that ends in one stores it again. Checkpoints (namespaces described as
+        ``state=checkpoint``) are indexed as leaves again.
         """
         described = self.index.descriptions()  # what the namespaces are does not depend on what is indexed
         self.index.clear()
@@ -111,7 +113,8 @@ class Maintenance:
             name = BlobName.parse(obj.name)
             if name is None:
                 continue
-            n += self.index.add(name.key, name.namespace, name.index, obj.size, now=now)
+            leaf = CHECKPOINT_LAYOUT in described.get(name.namespace, {}).get("layout", "").split(";")  # `store.checkpoints`
+            n += self.index.add(name.key, name.namespace, name.index, obj.size, now=now, leaf=leaf)
         for obj in self.backend.list(TAILS_PREFIX):
             self._delete_quietly(obj.name)
         metrics.BYTES_STORED.set(self.index.total_bytes())

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import llama_cpp
 
-from store.chain import CacheFormat, Namespace
+from store.chain import CHECKPOINT_EXTRA, CacheFormat, Namespace
 from worker.kernels import KernelFingerprint, library_fingerprint
 from worker.kvstate import PAYLOAD_VERSION
 from worker.llama_state import attn_rot_disabled
@@ -49,7 +49,7 @@ def cache_format(type_k: str, type_v: str, flash_attn: bool, kernels: str, *, ch
             "llama_cpp": llama_cpp.__version__,
             "attn_rot": "off" if attn_rot_disabled() else "on",
             "kernels": kernels,
-            **({"state": "checkpoint"} if checkpoints else {}),
+            **(dict([CHECKPOINT_EXTRA]) if checkpoints else {}),
         },
     )
 

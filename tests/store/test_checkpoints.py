@@ -5,14 +5,14 @@ import time
 import numpy as np
 
 from store.blob import BlobName
-from store.chain import CacheFormat, Namespace
+from store.chain import CHECKPOINT_EXTRA, CacheFormat, Namespace
 from store.checkpoints import Checkpoints
 from store.maintenance import QUARANTINE_PREFIX
 from store.store import Store
 from tests.helpers import stored_depth
 
 CELLS = Namespace("fp", CacheFormat.of("f16", "f16", False), chunk_size=8)
-WHOLE = Namespace("fp", CacheFormat.of("f16", "f16", False, {"state": "checkpoint"}), chunk_size=8)
+WHOLE = Namespace("fp", CacheFormat.of("f16", "f16", False, dict([CHECKPOINT_EXTRA])), chunk_size=8)
 
 
 def tokens_for(seed: int, n: int = 64) -> np.ndarray:
@@ -84,3 +84,23 @@ def test_checkpoints_go_before_chunks_used_at_the_same_time_under_gc(store: Stor
     store.gc(max_bytes=store.index.total_bytes() - checkpoint_bytes)
     assert Checkpoints(store).deepest(whole_keys) == 0, "every checkpoint went first"
     assert stored_depth(store, CELLS, cell_keys) == len(cell_keys), "and no chunk went"
+
+
+def test_reindex_brings_checkpoints_back_as_leaves(store: Store) -> None:
+    whole = tokens_for(6)
+    keys = WHOLE.chain(whole)
+    Checkpoints(store).publish(WHOLE, whole, keys, {2: state(2), 4: state(4)})
+    store.index.r.flushdb()
+    store.index.describe(WHOLE.key, {"layout": WHOLE.layout.canonical()})  # what a publisher records beside its namespace
+    assert store.reindex() == 2
+    assert Checkpoints(store).deepest(keys) == 4
+    assert bytes(Checkpoints(store).fetch(WHOLE, whole, keys, 4) or b"") == state(4)
+    cells = tokens_for(7)
+    cell_keys = CELLS.chain(cells)
+    store.publish(CELLS, cells, cell_keys, {i: b"c" * 1500 for i in range(len(cell_keys))})
+    later = time.time() + 60
+    store.index.touch(cell_keys, now=later)
+    store.index.touch([], tail=keys[1], now=later)
+    store.index.touch([], tail=keys[3], now=later)
+    store.gc(max_bytes=store.index.total_bytes() - sum(store.index.get(k).size for k in (keys[1], keys[3])))  # type: ignore[union-attr]
+    assert Checkpoints(store).deepest(keys) == 0 and stored_depth(store, CELLS, cell_keys) == len(cell_keys)
