@@ -163,8 +163,8 @@ def test_gemma3_resumes_past_its_window_on_another_worker_with_the_cold_bits(sta
     w1 = start_worker("w1", KVPOOL_MODEL=str(gemma3), KVPOOL_CHECKPOINT_EVERY=str(every))
     start_worker("w2", KVPOOL_MODEL=str(gemma3), KVPOOL_CHECKPOINT_EVERY=str(every))
     client = PoolClient(redis.Redis.from_url(redis_url), gemma3)
-    prompt = client.tokens("<start_of_turn>user\n" + prompt_text(14, 560) + "\nSum it up.<end_of_turn>\n<start_of_turn>model\n")
-    assert len(prompt) > 600
+    prompt = client.tokens("<start_of_turn>user\n" + prompt_text(14, 800) + "\nSum it up.<end_of_turn>\n<start_of_turn>model\n")
+    assert len(prompt) > 3 * 256 + 2
     first = client.run(prompt, worker="w1", logprobs=5)
     assert first.usage.cached_tokens == 0
     depths = checkpoint_depths(0, len(prompt), C, every)
