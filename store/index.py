@@ -147,6 +147,19 @@ class RedisIndex:
         scores = self._call(lambda: self.r.zmscore(self.lru_key, [k.hex() for k in keys]))
         return [s is not None for s in scores]
 
+    def tails_of(self, parents: Sequence[bytes]) -> list[dict[bytes, np.ndarray]]:
+        """The tails hanging from each of ``parents`` (tail key -> its tokens), in one round trip."""
+        if not parents:
+            return []
+
+        def run() -> list[Any]:
+            pipe = self.r.pipeline(transaction=False)
+            for p in parents:
+                pipe.hgetall(f"{self.prefix}tails:{p.hex()}")
+            return pipe.execute()
+
+        return [{bytes.fromhex(k.decode()): np.frombuffer(v, "<i4") for k, v in table.items()} for table in self._call(run)]
+
     def deepest(self, keys: Sequence[bytes]) -> int:
         """Length of the longest run of indexed chunks from the start of ``keys``, in one round trip."""
         flags = self.present(keys)

@@ -44,7 +44,7 @@ from store.checkpoints import Checkpoints
 from store.fingerprint import fingerprint_file
 from store.store import Store
 from worker import metrics
-from worker.checkpoints import checkpoint_depths, evaluate_saving
+from worker.checkpoints import checkpoint_stops, evaluate_saving
 from worker.decoding import DecodeMode, choose_mode, complete_answer, decode_step
 from worker.errors import JobRejected
 from worker.leases import EvalRate, Leases
@@ -240,8 +240,8 @@ class Engine(PrefixFinder):
         if self.checkpoints is None or self.publisher is None:
             evaluate_prompt(self.llm, tokens, start)
             return None
-        depths = checkpoint_depths(start, len(tokens), ns.chunk_size, self.settings.checkpoint_every)
-        states = evaluate_saving(self.llm, tokens, start, self.checkpoints.missing(keys, depths), ns.chunk_size)
+        stops = checkpoint_stops(start, len(tokens), ns.chunk_size, self.settings.checkpoint_every, self.kv.n_swa)
+        states = evaluate_saving(self.llm, tokens, start, self.checkpoints.missing(ns, tokens, keys, stops))
         if states:
             self.publisher.submit_checkpoints(ns, tokens, states)
         return None

@@ -207,48 +207,48 @@ class PrefixFinder:
         plan.cached_store = min(n_restore, keepable(tokens)) - plan.cached_context
 
     def _restore_checkpoint(self, ns: Namespace, tokens: list[int], keys: list[bytes], n_local: int, plan: Plan) -> None:
-        """For a memory stored whole (`store.checkpoints`): restore the deepest checkpoint on the chain if it beats the context."""
+        """For a memory stored whole (`store.checkpoints`): restore the deepest checkpoint the prompt continues, if it beats the context."""
         if self.store is None or self.checkpoints is None or len(tokens) < 3:
             return
-        c = ns.chunk_size
         t0 = time.perf_counter()
         try:
-            depth = self.checkpoints.deepest(keys[: keepable(tokens) // c])
+            found = self.checkpoints.find(ns, tokens, keys, keepable(tokens))
         except StoreUnavailable as e:
             plan.store_status = "unavailable"
             metrics.COLD_FALLBACKS.labels(**self.labels, reason="store_unavailable").inc()
             log.warning("store.unavailable", extra={"endpoint": e.endpoint, "reason": e.reason})
             return
         plan.timings["lookup"] = time.perf_counter() - t0
-        plan.store_depth, plan.store_tokens = depth, depth * c
+        plan.store_depth, plan.store_tokens = found.depth, found.tokens
         t1 = time.perf_counter()
         payload = None
-        while depth * c > n_local:  # a missing or bad checkpoint leaves the index: the one before it may serve
-            payload = self.checkpoints.fetch(ns, tokens, keys, depth)
+        while found.tokens > n_local:  # a missing or bad checkpoint leaves the index: the one before it may serve
+            payload = self.checkpoints.fetch_found(ns, tokens, keys, found)
             if payload is not None:
                 break
             metrics.COLD_FALLBACKS.labels(**self.labels, reason="fetch_failed").inc()
             try:
-                depth = self.checkpoints.deepest(keys[: depth - 1])
+                found = self.checkpoints.find(ns, tokens, keys, found.tokens - 1)
             except StoreUnavailable:
                 break
         plan.timings["fetch"] = time.perf_counter() - t1
         if payload is None:
             return
+        n = found.tokens
         t2 = time.perf_counter()
         try:
-            restore_checkpoint(self.llm, payload, tokens[: depth * c])
+            restore_checkpoint(self.llm, payload, tokens[:n], self.kv.n_swa)
         except StateRestoreError as e:
             metrics.COLD_FALLBACKS.labels(**self.labels, reason="restore_failed").inc()
-            log.error("restore.failed", extra={"reason": str(e), "checkpoint": depth})
+            log.error("restore.failed", extra={"reason": str(e), "checkpoint": n})
             self.forget_context()
             plan.cached_context = 0
             return
         plan.timings["restore"] = time.perf_counter() - t2
-        self.context_tenant, self.exact_upto = ns.tenant_salt, depth * c
+        self.context_tenant, self.exact_upto = ns.tenant_salt, n
         metrics.RESTORE_SECONDS.labels(**self.labels).observe(time.perf_counter() - t1)
         metrics.RESTORE_BYTES.labels(**self.labels).inc(len(payload))
-        plan.cached_context, plan.cached_store = 0, depth * c
+        plan.cached_context, plan.cached_store = 0, n
 
 
 def window_held(llm: Llama, kv: ContextCache, n: int) -> bool:

@@ -70,7 +70,7 @@ class Publisher:
         return self._put(_Task(ns, list(tokens), state, on_done, list(breakpoints)))
 
     def submit_checkpoints(self, ns: Namespace, tokens: Sequence[int], states: Mapping[int, Buffer]) -> bool:
-        """Queue whole-state checkpoints of ``tokens`` (chunks covered -> state) for publishing; False if dropped."""
+        """Queue whole-state checkpoints of ``tokens`` (tokens held -> state: on a boundary, or a tail) for publishing; False if dropped."""
         return self._put(_Task(ns, list(tokens), None, checkpoints=states))
 
     def _put(self, task: _Task) -> bool:
@@ -176,10 +176,13 @@ class Publisher:
 
     def _publish_checkpoints(self, ns: Namespace, tokens: list[int], states: Mapping[int, Buffer]) -> None:
         t0 = time.perf_counter()
-        payloads = {d: bytes(st) for d, st in states.items()}
-        added = self.checkpoints.publish(ns, tokens, ns.chain(tokens), payloads)
+        c, keys = ns.chunk_size, ns.chain(tokens)
+        boundaries = {end // c: bytes(st) for end, st in states.items() if end % c == 0}
+        added = self.checkpoints.publish(ns, tokens, keys, boundaries)
+        for end, st in states.items():
+            if end % c:
+                added += self.checkpoints.publish_tail(ns, tokens, keys, end, bytes(st))
+        size = sum(len(st) for st in states.values())
         metrics.PUBLISH_SECONDS.labels(**self.labels).observe(time.perf_counter() - t0)
-        metrics.PUBLISH_BYTES.labels(**self.labels).inc(sum(len(p) for p in payloads.values()))
-        log.info(
-            "publish.checkpoints", extra={"checkpoints": added, "depths": sorted(states), "bytes": sum(len(p) for p in payloads.values())}
-        )
+        metrics.PUBLISH_BYTES.labels(**self.labels).inc(size)
+        log.info("publish.checkpoints", extra={"checkpoints": added, "ends": sorted(states), "bytes": size})

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 
-from worker.checkpoints import restore_checkpoint
+from worker.checkpoints import WINDOW_ALIGN, restore_checkpoint
 from worker.kvchunks import cut_state, join_state
 from worker.llama_state import ContextCache, Llama, evaluate_prompt, last_logits, read_seq_state, restore_seq_state
 from worker.settings import WorkerSettings
@@ -113,10 +113,10 @@ def check_checkpoint(llm: Llama, seed: int = 0) -> SelfCheck:
     """Prove on this model and CPU that a restored checkpoint plus a suffix gives the cold logits to the bit.
 
     The checkpoint lies past the sliding window (where there is one), so that the restored
-    state holds only the window's cells. Leaves the context empty.
+    state holds only the window's cells, shifted by `WINDOW_ALIGN`. Leaves the context empty.
     """
     n_swa = max(0, int(llama_cpp.llama_model_n_swa(llm.model)))
-    k = (n_swa // 16 + 3) * 16
+    k = n_swa + WINDOW_ALIGN if n_swa else 48
     rng = np.random.default_rng(seed)
     tokens = [int(t) for t in rng.integers(3, llm.n_vocab(), k + CHECKPOINT_SUFFIX)]
     try:
@@ -127,7 +127,7 @@ def check_checkpoint(llm: Llama, seed: int = 0) -> SelfCheck:
         evaluate_prompt(llm, tokens[:k], 0)
         state = read_seq_state(llm)
         llm.reset()
-        restore_checkpoint(llm, state, tokens[:k])
+        restore_checkpoint(llm, state, tokens[:k], n_swa)
         evaluate_prompt(llm, tokens, k)
         warm = last_logits(llm)
     except Exception as e:  # any failure here means: do not restore

@@ -6,7 +6,7 @@ import numpy as np
 
 from store.blob import BlobName
 from store.chain import CHECKPOINT_EXTRA, CacheFormat, Namespace
-from store.checkpoints import Checkpoints
+from store.checkpoints import Checkpoints, checkpoint_name
 from store.maintenance import QUARANTINE_PREFIX
 from store.store import Store
 from tests.helpers import stored_depth
@@ -38,7 +38,7 @@ def test_the_deepest_checkpoint_on_a_chain_is_found_whatever_holes_lie_before_it
     assert ck.deepest(keys) == 5
     assert ck.deepest(keys[:4]) == 2, "a prompt that parts from the chain in chunk 5 gets the one before"
     assert ck.deepest(keys[:1]) == 0
-    assert ck.missing(keys, [2, 3, 5, 6]) == [3, 6]
+    assert ck.missing(WHOLE, tokens, keys, [16, 24, 40, 48]) == [24, 48]
     assert bytes(ck.fetch(WHOLE, tokens, keys, 5) or b"") == state(5)
     assert ck.publish(WHOLE, tokens, keys, {2: state(2), 5: state(5)}) == 0, "publishing again adds nothing"
 
@@ -104,3 +104,37 @@ def test_reindex_brings_checkpoints_back_as_leaves(store: Store) -> None:
     store.index.touch([], tail=keys[3], now=later)
     store.gc(max_bytes=store.index.total_bytes() - sum(store.index.get(k).size for k in (keys[1], keys[3])))  # type: ignore[union-attr]
     assert Checkpoints(store).deepest(keys) == 0 and stored_depth(store, CELLS, cell_keys) == len(cell_keys)
+
+
+def test_a_tail_checkpoint_serves_only_a_prompt_that_continues_with_all_of_its_tokens(store: Store) -> None:
+    ck = Checkpoints(store)
+    tokens = tokens_for(8)
+    keys = WHOLE.chain(tokens)
+    ck.publish(WHOLE, tokens, keys, {2: state(2)})
+    assert ck.publish_tail(WHOLE, tokens, keys, 29, state(29)) is True  # after 3 chunks and 5 tokens
+    assert ck.publish_tail(WHOLE, tokens, keys, 29, state(29)) is False
+    assert ck.missing(WHOLE, tokens, keys, [16, 29, 30]) == [30]
+
+    found = ck.find(WHOLE, tokens, keys, limit=62)
+    assert (found.depth, found.tokens) == (3, 29), "the resent prompt resumes where the last one stopped"
+    assert bytes(ck.fetch_found(WHOLE, tokens, keys, found) or b"") == state(29)
+    assert ck.find(WHOLE, tokens, keys, limit=28).tokens == 16, "a tail past the limit is not used"
+    parted = tokens.copy()
+    parted[27] += 1  # the prompt parts from the tail inside it: a tail checkpoint serves whole or not at all
+    assert ck.find(WHOLE, parted, WHOLE.chain(parted), limit=62).tokens == 16
+
+
+def test_a_corrupted_tail_checkpoint_gives_way_to_the_boundary_before_it(store: Store) -> None:
+    ck = Checkpoints(store)
+    tokens = tokens_for(9)
+    keys = WHOLE.chain(tokens)
+    ck.publish(WHOLE, tokens, keys, {3: state(3)})
+    ck.publish_tail(WHOLE, tokens, keys, 43, state(43))
+    name = str(checkpoint_name(WHOLE, tokens, keys, 43))
+    blob = bytearray(store.backend.get(name))
+    blob[-3] ^= 0x01
+    store.backend.put(name, bytes(blob))
+    found = ck.find(WHOLE, tokens, keys, limit=62)
+    assert found.tokens == 43 and ck.fetch_found(WHOLE, tokens, keys, found) is None
+    assert ck.find(WHOLE, tokens, keys, limit=62).tokens == 24, "the bad tail left the index"
+    assert store.backend.get(QUARANTINE_PREFIX + name)

@@ -19,10 +19,11 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.pool.procs import free_port
-from store.blob import BlobName
+from store.chain import Namespace
+from store.checkpoints import checkpoint_key, checkpoint_name
 from store.index import RedisIndex
 from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, prompt_text
-from worker.checkpoints import checkpoint_depths
+from worker.checkpoints import WINDOW_ALIGN, checkpoint_stops
 from worker.namespace import namespace_for
 
 C = POOL_CHUNK
@@ -32,15 +33,17 @@ pytestmark = pytest.mark.fp_path  # answers are compared with a cold run, bit fo
 KINDS = pytest.mark.parametrize("size", ["tiny-swa", "tiny-ssm", "tiny-hybrid"], ids=["sliding-window", "recurrent", "hybrid"])
 
 
-def wait_checkpoints(client: PoolClient, tokens: list[int], depths: list[int], timeout_s: float = 20.0) -> list[bytes]:
-    """Publishing runs in the background: wait until a checkpoint is indexed at each of ``depths``; returns the chain's keys."""
-    keys = namespace_for(client.settings, client.fingerprint, checkpoints=True).chain(tokens)
+def wait_checkpoints(client: PoolClient, tokens: list[int], stops: list[int], timeout_s: float = 20.0) -> tuple[Namespace, list[bytes]]:
+    """Publishing runs in the background: wait until a checkpoint is indexed after each of ``stops`` tokens."""
+    ns = namespace_for(client.settings, client.fingerprint, checkpoints=True)
+    keys = ns.chain(tokens)
+    wanted = [checkpoint_key(ns, tokens, keys, e) for e in stops]
     index = RedisIndex(client.conn)
     deadline = time.monotonic() + timeout_s
-    while not all(index.present([keys[d - 1] for d in depths])):
-        assert time.monotonic() < deadline, f"checkpoints {depths} not all published"
+    while not all(index.present(wanted)):
+        assert time.monotonic() < deadline, f"checkpoints after {stops} tokens not all published"
         time.sleep(0.05)
-    return keys
+    return ns, keys
 
 
 def lcp(a: list[int], b: list[int]) -> int:
@@ -70,15 +73,15 @@ def test_a_prompt_evaluated_on_one_worker_resumes_on_another_from_its_deepest_ch
     first = client.run(first_prompt, worker="w1")
     assert first.usage.cached_tokens == 0
     assert first.tokens == cold_greedy(cold, first_prompt, 24)
-    depths = checkpoint_depths(0, len(first_prompt), C, 1)
-    assert len(depths) >= 3
-    wait_checkpoints(client, first_prompt, depths)
+    stops = checkpoint_stops(0, len(first_prompt), C, 1, llama_cpp.llama_model_n_swa(cold.model))
+    assert len(stops) >= 3
+    wait_checkpoints(client, first_prompt, stops)
     cells = namespace_for(client.settings, client.fingerprint).chain(first_prompt)
     assert RedisIndex(client.conn).deepest(cells) == 0, "no cells of an uncuttable cache were published as chunks"
     assert "restore.checkpoints" in w1.log() and "restore.selfcheck" in w1.log()
 
     resumed = client.run(second_prompt, worker="w2", logprobs=5)
-    shared = min(lcp(first_prompt, second_prompt), len(second_prompt) - 2) // C * C
+    shared = max(e for e in stops if e <= min(lcp(first_prompt, second_prompt), len(second_prompt) - 2))
     assert resumed.usage.cached_from_store == shared > 0, "restored at the deepest boundary the prompts share"
     assert resumed.usage.cached_from_context == 0
     assert resumed.usage.evaluated_tokens == len(second_prompt) - shared
@@ -94,21 +97,24 @@ def test_a_prompt_evaluated_on_one_worker_resumes_on_another_from_its_deepest_ch
 
 
 @KINDS
-def test_a_corrupted_checkpoint_is_rejected_and_the_one_before_it_serves(
+def test_a_resent_prompt_resumes_at_its_last_two_tokens_and_a_corrupted_checkpoint_gives_way_to_the_one_before(
     start_worker, redis_url, uncuttable_models, cold, store_settings_s3, size: str
 ) -> None:
     model = uncuttable_models[size]
     start_worker("w1", KVPOOL_MODEL=str(model))
     w2 = start_worker("w2", KVPOOL_MODEL=str(model))
+    w3 = start_worker("w3", KVPOOL_MODEL=str(model))
     client = PoolClient(redis.Redis.from_url(redis_url), model)
     prompt = client.tokens(prompt_text(12, 140))
     client.run(prompt, worker="w1")
-    depths = checkpoint_depths(0, len(prompt), C, 1)
-    keys = wait_checkpoints(client, prompt, depths)
+    stops = checkpoint_stops(0, len(prompt), C, 1, llama_cpp.llama_model_n_swa(cold.model))
+    ns, keys = wait_checkpoints(client, prompt, stops)
 
-    ns = namespace_for(client.settings, client.fingerprint, checkpoints=True)
-    deepest = depths[-1]
-    name = str(BlobName(ns.key, deepest - 1, keys[deepest - 1]))
+    resent = client.run(prompt, worker="w2", logprobs=5)
+    assert resent.usage.cached_from_store == stops[-1] >= len(prompt) - 2 - WINDOW_ALIGN, "resumed where the first worker stopped"
+    assert resent.tokens == cold_greedy(cold, prompt, 24)
+
+    name = str(checkpoint_name(ns, prompt, keys, stops[-1]))
     bucket, _, prefix = store_settings_s3.store_url.removeprefix("s3://").partition("/")
     s3 = boto3.client(
         "s3",
@@ -121,10 +127,10 @@ def test_a_corrupted_checkpoint_is_rejected_and_the_one_before_it_serves(
     blob[-100] ^= 0xFF
     s3.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=bytes(blob))
 
-    r = client.run(prompt, worker="w2")
-    assert r.usage.cached_from_store == (deepest - 1) * C, "the checkpoint before the bad one was restored"
-    assert r.tokens == cold_greedy(cold, prompt, 24)
-    assert "checkpoint.rejected" in w2.log()
+    r = client.run(prompt, worker="w3", logprobs=5)
+    assert r.usage.cached_from_store == stops[-2], "the checkpoint before the bad one was restored"
+    assert r.tokens == resent.tokens and r.logprobs == resent.logprobs
+    assert "checkpoint.rejected" in w3.log() and "checkpoint.rejected" not in w2.log()
     s3.head_object(Bucket=bucket, Key=f"{prefix}/quarantine/{name}")
 
 
@@ -137,7 +143,7 @@ def test_a_sliding_window_worker_never_cuts_back_past_the_window_a_restore_left(
     cold = llama_cpp.Llama(str(model), n_ctx=2048, n_threads=1, verbose=False, flash_attn=False)
     long_prompt = client.tokens(prompt_text(13, 200))
     client.run(long_prompt, worker="w1")
-    wait_checkpoints(client, long_prompt, checkpoint_depths(0, len(long_prompt), C, 1))
+    wait_checkpoints(client, long_prompt, checkpoint_stops(0, len(long_prompt), C, 1, 32))
     restored = client.run(long_prompt, worker="w2")
     assert restored.usage.cached_from_store > 3 * C
 
@@ -167,11 +173,11 @@ def test_gemma3_resumes_past_its_window_on_another_worker_with_the_cold_bits(sta
     assert len(prompt) > 3 * 256 + 2
     first = client.run(prompt, worker="w1", logprobs=5)
     assert first.usage.cached_tokens == 0
-    depths = checkpoint_depths(0, len(prompt), C, every)
-    wait_checkpoints(client, prompt, depths)
+    stops = checkpoint_stops(0, len(prompt), C, every, 512)
+    wait_checkpoints(client, prompt, stops)
     assert "restore.checkpoints" in w1.log()
 
     resumed = client.run(prompt, worker="w2", logprobs=5)
-    assert resumed.usage.cached_from_store == depths[-1] * C > 512, "restored past the window"
+    assert resumed.usage.cached_from_store == stops[-1] > len(prompt) - 2 - WINDOW_ALIGN, "restored past the window, near the prompt's end"
     assert resumed.tokens == first.tokens
     assert resumed.logprobs == first.logprobs, "every token's logprob has the cold run's bits"
