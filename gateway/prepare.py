@@ -91,7 +91,24 @@ class Preparer:
         vocab = self.tokenizer.llm._model.vocab
         grammar = self.tool_format.grammar(req, vocab) or response_grammar(req.response_format, vocab)
         prepared = self._job(req, tokens, budget, stops, logprobs, tenant, chat=True, grammar=grammar)
+        prepared.spec.message_starts = self._last_message_start(req, tokens)
         return Prepared(prepared.spec, chat=True, tools=self.tool_format.offered(req))
+
+    def _last_message_start(self, req: ChatCompletionRequest, tokens: list[int]) -> list[int]:
+        """Where the last message starts in ``tokens`` (a hint for workers that checkpoint whole states), if it can be told.
+
+        The prompt of the messages before it parts from this one there: they share every
+        token up to the last message's own (whatever the template adds after them).
+        """
+        if len(req.messages) < 2:
+            return []
+        try:
+            text = self.tool_format.render(self.tokenizer, req.model_copy(update={"messages": req.messages[:-1]}))
+        except (TemplateError, InvalidRequest):  # a template that refuses the shorter chat: no hint
+            return []
+        before = self.tokenizer.tokenize(text, special=True)
+        n = next((i for i, (a, b) in enumerate(zip(before, tokens)) if a != b), min(len(before), len(tokens)))
+        return [n] if 0 < n < len(tokens) else []
 
     def _job(
         self,

@@ -43,23 +43,24 @@ def aligned(pos: int, n_swa: int) -> bool:
     return n_swa == 0 or pos <= n_swa or (pos - n_swa) % WINDOW_ALIGN == 0
 
 
-def checkpoint_stops(start: int, n: int, chunk_size: int, every: int, n_swa: int = 0) -> list[int]:
+def checkpoint_stops(start: int, n: int, chunk_size: int, every: int, n_swa: int = 0, hints: Sequence[int] = ()) -> list[int]:
     """Where to save the state while ``tokens[start:n]`` are evaluated (token counts, ascending).
 
-    Every ``every``-th chunk boundary past ``start``, then the prompt's end: the last
-    position before its last two tokens (never kept, see `worker.prefix.keepable`), stored
-    as a tail checkpoint unless it is a boundary. A window model stops only where it is
-    `aligned`, and no piece between stops is a single token (a one-token batch comes out
-    of other kernels).
+    Every ``every``-th chunk boundary past ``start``; where the job's last chat message
+    starts (``hints``, `worker.protocol.JobSpec.message_starts`: where the next request most
+    likely parts from this one); and the prompt's end, the last position before its last
+    two tokens (never kept, see `worker.prefix.keepable`). Off-boundary stops are stored as
+    tail checkpoints. A window model stops only where it is `aligned` (a hint or the end
+    moves back to such a position), and no piece between stops is a single token (a
+    one-token batch comes out of other kernels).
     """
     c = chunk_size
-    stops = [d * c for d in range(start // c + 1, (n - 2) // c + 1) if d % every == 0 and aligned(d * c, n_swa)]
-    end = n - 2
-    if n_swa and end > n_swa:
-        end -= (end - n_swa) % WINDOW_ALIGN
-    if end - max([start, *stops]) >= 2:
-        stops.append(end)
-    return stops
+    stops = {d * c for d in range(start // c + 1, (n - 2) // c + 1) if d % every == 0 and aligned(d * c, n_swa)}
+    for want in [*hints, n - 2]:
+        pos = want - (want - n_swa) % WINDOW_ALIGN if n_swa and want > n_swa else want
+        if start < pos <= n - 2 and all(abs(pos - s) >= 2 for s in stops | {start}):
+            stops.add(pos)
+    return sorted(stops)
 
 
 def evaluate_saving(llm: Llama, tokens: Sequence[int], start: int, stops: Sequence[int]) -> dict[int, bytearray]:

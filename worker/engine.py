@@ -240,7 +240,7 @@ class Engine(PrefixFinder):
         if self.checkpoints is None or self.publisher is None:
             evaluate_prompt(self.llm, tokens, start)
             return None
-        stops = checkpoint_stops(start, len(tokens), ns.chunk_size, self.settings.checkpoint_every, self.kv.n_swa)
+        stops = checkpoint_stops(start, len(tokens), ns.chunk_size, self.settings.checkpoint_every, self.kv.n_swa, spec.message_starts)
         states = evaluate_saving(self.llm, tokens, start, self.checkpoints.missing(ns, tokens, keys, stops))
         if states:
             self.publisher.submit_checkpoints(ns, tokens, states)

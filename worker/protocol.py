@@ -100,6 +100,12 @@ class JobSpec(BaseModel):
     route_key: str | None = Field(
         None, description="Hash of the tenant and the request's prompt_cache_key: where to route while no worker holds the prefix."
     )
+    message_starts: list[int] = Field(
+        default_factory=list,
+        max_length=8,
+        description="Prompt positions where a chat message starts (the last one): where the next request most likely parts "
+        "from this one, so a worker whose model's state is stored whole saves a checkpoint there (`worker.checkpoints`).",
+    )
 
     def misfit(self, model: str, chunk_size: int, n_ctx: int, n_vocab: int) -> str | None:
         """Why a worker serving ``model`` with this chunk size, context and vocabulary cannot run the job; None if it can."""
@@ -111,6 +117,8 @@ class JobSpec(BaseModel):
             return f"prompt of {len(self.tokens)} tokens does not fit the context of {n_ctx}"
         if any(b.tokens > len(self.tokens) for b in self.breakpoints):
             return f"a breakpoint lies past the prompt's {len(self.tokens)} tokens"
+        if any(not 0 < m < len(self.tokens) for m in self.message_starts):
+            return f"a message start lies outside the prompt's {len(self.tokens)} tokens"
         if any(t < 0 or t >= n_vocab for t in [*self.tokens, *self.sampling.logit_bias]):
             return f"token ids must lie in [0, {n_vocab})"
         return None
@@ -126,6 +134,7 @@ def job_spec(
     enqueued_at: float | None = None,
     wait_for_publish: bool = False,
     route_key: str | None = None,
+    message_starts: list[int] | None = None,
 ) -> JobSpec:
     """The one way to build a job: its prefix keys are hashed here, from its tokens (`store.chain.prefix_namespace`).
 
@@ -143,6 +152,7 @@ def job_spec(
         enqueued_at=time.time() if enqueued_at is None else enqueued_at,
         wait_for_publish=wait_for_publish,
         route_key=None if route_key is None else xxhash.xxh3_64_hexdigest(f"{tenant_salt}\0{route_key}".encode()),
+        message_starts=message_starts or [],
     )
 
 

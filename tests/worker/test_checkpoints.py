@@ -23,7 +23,7 @@ from store.chain import Namespace
 from store.checkpoints import checkpoint_key, checkpoint_name
 from store.index import RedisIndex
 from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, prompt_text
-from worker.checkpoints import WINDOW_ALIGN, checkpoint_stops
+from worker.checkpoints import WINDOW_ALIGN, aligned, checkpoint_stops
 from worker.namespace import namespace_for
 
 C = POOL_CHUNK
@@ -181,3 +181,13 @@ def test_gemma3_resumes_past_its_window_on_another_worker_with_the_cold_bits(sta
     assert resumed.usage.cached_from_store == stops[-1] > len(prompt) - 2 - WINDOW_ALIGN, "restored past the window, near the prompt's end"
     assert resumed.tokens == first.tokens
     assert resumed.logprobs == first.logprobs, "every token's logprob has the cold run's bits"
+
+
+def test_checkpoints_are_saved_at_boundaries_where_the_last_message_starts_and_before_the_last_two_tokens() -> None:
+    assert checkpoint_stops(0, 100, 32, 1) == [32, 64, 96, 98]
+    assert checkpoint_stops(0, 100, 32, 1, hints=[70]) == [32, 64, 70, 96, 98]
+    assert checkpoint_stops(40, 100, 32, 2, hints=[65]) == [64, 98], "a stop is never one token from another (65)"
+    assert checkpoint_stops(0, 66, 32, 1) == [32, 64], "the end is a boundary"
+    window = checkpoint_stops(0, 700, 256, 1, n_swa=512, hints=[600])
+    assert window == [256, 512, 576, 672], "a window model stops where its window starts at a multiple of 32"
+    assert all(aligned(s, 512) for s in window)
