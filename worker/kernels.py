@@ -21,9 +21,13 @@ environment at large:
   layers are offloaded, when the library can offload at all;
 * the switches llama.cpp's CPU backend reads once at start-up that choose other
   kernels (`SWITCHES`), as llama.cpp reads them;
-* the *exactness mode* of the engine: how it batches what it evaluates. Today's
-  engine decodes one sequence at a time and never ends a prompt batch on one token
-  (``decode=seq1``, `DECODE_SEQ1`); a batched engine would add other modes.
+* the *exactness mode* of the engine: how it batches what it evaluates
+  (``decode=seq1``, `DECODE_SEQ1`: never a prompt batch that ends on one token). The
+  batched engine (`worker.batcher`) and every decode mode (`worker.decoding`: single,
+  pair, settle) publish only cells that equal a cold evaluation's, each sequence in a
+  KV stream of its own, so they add no mode: a worker of any ``KVPOOL_PARALLEL`` and
+  any decode mode shares chunks with the others (tested in `tests/worker/test_batched.py`,
+  cells after prompt and answer byte-identical to a cold evaluation's).
 
 `KernelFingerprint.canonical` is a sorted, stable string, e.g.
 ``cpu=AVX,AVX2,F16C,FMA,LLAMAFILE,REPACK,SSE3,SSSE3;decode=seq1;offload=none;v=1``,
