@@ -64,7 +64,7 @@ class EventStream(StreamingResponse):
         async def pings(ping: bytes) -> None:
             nonlocal last
             while True:
-                await anyio.sleep(last + self.ping_s - anyio.current_time())
+                await anyio.sleep(max(0.0, last + self.ping_s - anyio.current_time()))  # late on a busy loop: at once
                 async with lock:
                     if anyio.current_time() - last >= self.ping_s:
                         try:

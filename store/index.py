@@ -52,7 +52,6 @@ the prompt and one ``HGETALL`` of at most ``tails_per_parent`` fields.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -63,19 +62,11 @@ import redis
 
 from store import index_lua as lua
 from store.errors import StoreUnavailable
+from store.index_writes import TAIL_DEPTH, IndexWrites, lru_score, score_time
 
-_DEPTH_SLOTS = 2**15
-TAIL_DEPTH = _DEPTH_SLOTS - 1
-_EPOCH = 1_577_836_800
+__all__ = ["TAIL_DEPTH", "IndexEntry", "IndexWrites", "Lookup", "RedisIndex", "lru_score", "score_time"]
+
 T = TypeVar("T")
-
-
-def lru_score(now: float, depth: int) -> int:
-    return int((now - _EPOCH) * 100) * _DEPTH_SLOTS + (_DEPTH_SLOTS - 1 - min(depth, _DEPTH_SLOTS - 1))
-
-
-def score_time(score: float) -> float:
-    return (int(score) // _DEPTH_SLOTS) / 100 + _EPOCH
 
 
 @dataclass(frozen=True)
@@ -201,14 +192,9 @@ class RedisIndex:
 
     def touch(self, keys: Sequence[bytes], now: float | None = None, *, tail: bytes | None = None) -> None:
         """Mark a chain prefix ``keys[0..]`` (and a tail hanging from it) as used now; entries that are gone stay gone."""
-        if not keys and tail is None:
-            return
-        t = time.time() if now is None else now
-        mapping: dict[str | bytes, float] = {k.hex(): lru_score(t, depth) for depth, k in enumerate(keys)}
-        if tail is not None:
-            mapping[tail.hex()] = lru_score(t, TAIL_DEPTH)
-
-        self._call(lambda: self.r.zadd(self.lru_key, mapping, xx=True, gt=True))
+        writes = IndexWrites(self, now)
+        writes.touch(keys, tail=tail)
+        writes.send()
 
     def pin(self, keys: Sequence[bytes], until: float, *, tail: bytes | None = None) -> None:
         """Keep a chain prefix ``keys[0..]`` (and a tail hanging from it) from eviction until ``until`` (Unix time).
@@ -239,18 +225,9 @@ class RedisIndex:
         A ``leaf`` (a whole-state checkpoint, `store.checkpoints`) has nothing hanging from it
         and sorts like a tail: evicted before any chunk used at the same time.
         """
-        t = time.time() if now is None else now
-        args = [
-            namespace.hex(),
-            index,
-            size,
-            repr(t),
-            lru_score(t, TAIL_DEPTH if leaf else index),
-            key.hex(),
-            parent.hex() if parent else "",
-        ]
-        keys = [self._chunk(key), self.lru_key, self.bytes_key, *([f"{self.prefix}children:{parent.hex()}"] if parent else [])]
-        return bool(self._call(lambda: self._add(keys=keys, args=args)))
+        writes = IndexWrites(self, now)
+        writes.add(key, namespace, index, size, parent=parent, leaf=leaf)
+        return bool(writes.send()[0])
 
     def add_tail(
         self, key: bytes, namespace: bytes, index: int, parent: bytes, tokens: bytes, size: int, *, cap: int, now: float | None = None
@@ -260,11 +237,10 @@ class RedisIndex:
         Returns the keys of the older tails of the same parent that it pushed out (their
         blobs are the caller's to delete), or None when the tail was already indexed.
         """
-        t = time.time() if now is None else now
-        args = [namespace.hex(), index, size, repr(t), lru_score(t, TAIL_DEPTH), key.hex(), parent.hex(), tokens, cap, self.prefix]
-        keys = [self._chunk(key), self.lru_key, self.bytes_key, f"{self.prefix}tails:{parent.hex()}"]
-        out = self._call(lambda: self._add_tail(keys=keys, args=args))
-        return None if out is None else [bytes.fromhex(k.decode()) for k in out]
+        writes = IndexWrites(self, now)
+        writes.add_tail(key, namespace, index, parent, tokens, size, cap=cap)
+        out: list[bytes] | None = writes.send()[0]
+        return out
 
     def add_branch(self, key: bytes, parent: bytes, tokens: bytes, *, cap: int) -> list[bytes]:
         """Offer an indexed full chunk as a candidate of its parent, like a tail (``tokens``: its token ids).
@@ -272,9 +248,10 @@ class RedisIndex:
         A prompt that parts from it inside the chunk then resumes where they part: the
         chunk's first cells serve it, as a tail's would. Returns the tails this pushed out.
         """
-        args = [key.hex(), parent.hex(), tokens, cap, self.prefix]
-        keys = [self._chunk(key), self.lru_key, self.bytes_key, f"{self.prefix}tails:{parent.hex()}"]
-        return [bytes.fromhex(k.decode()) for k in self._call(lambda: self._add_branch(keys=keys, args=args))]
+        writes = IndexWrites(self)
+        writes.add_branch(key, parent, tokens, cap=cap)
+        out: list[bytes] = writes.send()[0]
+        return out
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop entries; returns the bytes they accounted for."""

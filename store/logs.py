@@ -21,8 +21,8 @@ class EventFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         fields = {k: v for k, v in record.__dict__.items() if k not in _RESERVED}
-        if record.exc_info:
-            fields["error"] = self.formatException(record.exc_info).splitlines()[-1]
+        if record.exc_info and record.exc_info[1] is not None:
+            fields["error"], fields["where"] = describe_exception(record.exc_info[1])
         if self.as_json:
             doc = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name}
             return json.dumps({**doc, "event": record.getMessage(), **fields}, default=str)
@@ -30,6 +30,25 @@ class EventFormatter(logging.Formatter):
         parts = [ts, record.levelname.lower(), record.name, record.getMessage()]
         parts += [f"{k}={_value(v)}" for k, v in fields.items()]
         return " ".join(parts)
+
+
+def describe_exception(e: BaseException) -> tuple[str, str]:
+    """``Type: message`` of an exception (of each one inside an exception group), and where the first was raised."""
+    leaves: list[BaseException] = []
+
+    def walk(x: BaseException) -> None:
+        if isinstance(x, BaseExceptionGroup):
+            for inner in x.exceptions:
+                walk(inner)
+        else:
+            leaves.append(x)
+
+    walk(e)
+    tb = leaves[0].__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
+    return "; ".join(f"{type(x).__name__}: {x}" for x in leaves), where
 
 
 def _value(v: object) -> str:

@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import TypeVar
 
 import numpy as np
@@ -27,9 +26,10 @@ import numpy as np
 from store import metrics
 from store.backends import BlobBackend, open_backend
 from store.blob import BlobName, encode_blob, verify_blob
-from store.chain import Namespace, tail_key, token_bytes
+from store.chain import Namespace, tail_key
 from store.errors import BlobCorrupt, BlobMismatch, BlobMissing, StoreUnavailable
 from store.index import RedisIndex
+from store.index_writes import publish_writes, read_publish
 from store.maintenance import QUARANTINE_PREFIX, Maintenance
 from store.settings import StoreSettings
 from store.stale import Lost, Reconciler
@@ -213,74 +213,70 @@ class Store(Maintenance):
 
     # -- writing ---------------------------------------------------------------
 
-    def publish(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes], payloads: Mapping[int, bytes]) -> int:
-        """Store the chunks ``payloads`` (chunk index -> payload) of one chain; returns how many were new.
+    def publish(
+        self,
+        ns: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        keys: Sequence[bytes],
+        payloads: Mapping[int, bytes],
+        *,
+        tail: bytes | None = None,
+        absent: bool = False,
+    ) -> int:
+        """Store the chunks ``payloads`` (chunk index -> payload) of one chain, and ``tail``, the prompt's partial last chunk
+        ``tokens[len(keys)*C:]``; returns how many entries were new.
 
-        Idempotent and safe with concurrent publishers: a chunk already indexed is
-        skipped, equal keys mean equal bytes, and the index counts each chunk once.
-        Blobs are written before their index entries.
+        Idempotent and safe with concurrent publishers: an entry already indexed is skipped,
+        equal keys mean equal bytes, and the index counts each entry once. Blobs are written
+        before their index entries, and every index write of the call (entries, the last
+        chunk offered as a candidate, a tail capped at ``tails_per_chunk`` per chunk, the
+        touch) goes in one round trip. ``absent``: the caller has just found every one of them
+        missing from the index (`worker.publisher`), so that check is not made again.
         """
-        if not payloads:
-            return 0
-        c = ns.chunk_size
-        wanted = sorted(payloads)
-        if wanted[0] < 0 or wanted[-1] >= len(keys):
+        c, wanted = ns.chunk_size, sorted(payloads)
+        if wanted and (wanted[0] < 0 or wanted[-1] >= len(keys)):
             raise ValueError(f"chunk index out of range 0..{len(keys) - 1}")
-        present = self._guard("redis", lambda: self.index.present([keys[i] for i in wanted]))
+        tail_at = self._tail_of(ns, tokens, keys) if tail is not None else None
+        probe = [keys[i] for i in wanted] + ([tail_at[0]] if tail_at else [])
+        if not probe:
+            return 0
+        present = [False] * len(probe) if absent else self._guard("redis", lambda: self.index.present(probe))
         todo = [i for i, there in zip(wanted, present) if not there]
+        new_tail = tail_at if tail_at and not present[-1] else None
 
         def put(i: int) -> tuple[int, int]:
             blob = encode_blob(ns.key, i, keys[i - 1] if i else ns.key, tokens[i * c : (i + 1) * c], payloads[i])
             self._put(str(BlobName(ns.key, i, keys[i])), blob)
             return i, len(blob)
 
-        written = [f.result() for f in [self._pool.submit(put, i) for i in todo]] if todo else []
-        if written:
+        written = [f.result() for f in [self._pool.submit(put, i) for i in todo]]
+        tail_blob = None
+        if new_tail is not None and tail is not None:
+            tail_blob = encode_blob(ns.key, len(keys), ns.parent_of(keys, len(keys)), new_tail[1], tail, tail=True)
+            self._put(str(BlobName(ns.key, len(keys), new_tail[0], tail=True)), tail_blob)
+        if written or tail_blob is not None:
             self._describe(ns)
-        added = 0
-        for i, size in written:
-            added += self._guard("redis", partial(self.index.add, keys[i], ns.key, i, size, parent=keys[i - 1] if i else None))
-        last = len(keys) - 1
-        if last in todo:
-            self._offer_branch(ns, keys, last, token_bytes(tokens[last * c : (last + 1) * c]))
-        self._touch_quietly(keys[: wanted[-1] + 1])
-        if self.max_bytes is not None and written:
+        touched = keys if tail_at else keys[: wanted[-1] + 1]
+        new = (*new_tail, len(tail_blob)) if new_tail is not None and tail_blob is not None else None
+        writes = publish_writes(self.index, ns, tokens, keys, written, new, self.tails_per_chunk)
+        writes.touch(touched, tail=tail_at[0] if tail_at else None)
+        added, pushed = read_publish(self._guard("redis", writes.send), written, keys, new)
+        for at, old in pushed:
+            self._delete_quietly(str(BlobName(ns.key, at, old, tail=True)))
+        if self.max_bytes is not None and (written or tail_blob is not None):
             self.gc(self.max_bytes)
         return added
 
-    def _offer_branch(self, ns: Namespace, keys: Sequence[bytes], i: int, raw: bytes) -> None:
-        """A prompt's last full chunk is where the next prompts most often part from it: offer it as a candidate."""
-        pushed = self._guard("redis", lambda: self.index.add_branch(keys[i], ns.parent_of(keys, i), raw, cap=self.tails_per_chunk))
-        for old in pushed:
-            self._delete_quietly(str(BlobName(ns.key, i, old, tail=True)))
-
-    def publish_tail(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes], payload: bytes) -> bool:
-        """Store the prompt's partial last chunk, ``tokens[len(keys)*C:]``; returns whether it was new.
-
-        Keeps the ``tails_per_chunk`` most recently used tails of each chunk: the blobs of
-        the tails this one pushes out are deleted.
-        """
+    def _tail_of(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes]) -> tuple[bytes, np.ndarray]:
         depth, c = len(keys), ns.chunk_size
-        rest = tokens[depth * c :]
+        rest = np.asarray(tokens[depth * c :])
         if not 0 < len(rest) < c:
             raise ValueError(f"a tail holds 1 to {c - 1} tokens, not {len(rest)}")
-        parent = ns.parent_of(keys, depth)
-        key = tail_key(parent, rest)
-        if self._guard("redis", lambda: self.index.present([key]))[0]:
-            self._touch_quietly(keys, tail=key)
-            return False
-        name = str(BlobName(ns.key, depth, key, tail=True))
-        blob = encode_blob(ns.key, depth, parent, rest, payload, tail=True)
-        self._put(name, blob)
-        raw = token_bytes(rest)
-        pushed = self._guard("redis", lambda: self.index.add_tail(key, ns.key, depth, parent, raw, len(blob), cap=self.tails_per_chunk))
-        self._describe(ns)
-        for old in pushed or []:
-            self._delete_quietly(str(BlobName(ns.key, depth, old, tail=True)))
-        self._touch_quietly(keys, tail=key)
-        if self.max_bytes is not None:
-            self.gc(self.max_bytes)
-        return pushed is not None
+        return tail_key(ns.parent_of(keys, depth), rest), rest
+
+    def publish_tail(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes], payload: bytes) -> bool:
+        """`publish` of the prompt's partial last chunk alone; returns whether it was new."""
+        return self.publish(ns, tokens, keys, {}, tail=payload) > 0
 
     def pin(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, until: float) -> None:
         """Keep the stored prefix ``tokens`` (its full chunks, and its tail if it ends inside a chunk) until ``until``.

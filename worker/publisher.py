@@ -151,9 +151,10 @@ class Publisher:
         if breakpoints:
             log.info("publish.pinned", extra={"breakpoints": [b.tokens for b in breakpoints]})
 
-    def _publish(self, ns: Namespace, tokens: list[int], state: Buffer) -> None:
+    def _publish(self, ns: Namespace, tokens: list[int], state: Buffer, keys: list[bytes] | None = None) -> None:
+        """One presence check, then the chunks and the tail the store lacks, written and indexed in one round trip (`Store.publish`)."""
         t0 = time.perf_counter()
-        keys = ns.chain(tokens)
+        keys = keys if keys is not None else ns.chain(tokens)
         end = len(keys) * ns.chunk_size
         tail = tail_key(ns.parent_of(keys, len(keys)), tokens[end:]) if end < len(tokens) else None
         present = self.store.index.present([*keys, *([tail] if tail else [])])
@@ -164,15 +165,12 @@ class Publisher:
         if first < len(keys):
             payloads = cut_state(state, ns.chunk_size, first, len(keys))
             todo = {i: p for i, p in zip(range(first, len(keys)), payloads) if not present[i]}
-        added = self.store.publish(ns, tokens, keys, todo)
-        sent = sum(len(p) for p in todo.values())
-        if tail is not None and not present[-1]:
-            payload = cut_cells(state, end, len(tokens))
-            added += self.store.publish_tail(ns, tokens, keys, payload)
-            sent += len(payload)
+        tail_payload = cut_cells(state, end, len(tokens)) if tail is not None and not present[-1] else None
+        added = self.store.publish(ns, tokens, keys, todo, tail=tail_payload, absent=True)
+        sent = sum(len(p) for p in todo.values()) + len(tail_payload or b"")
         metrics.PUBLISH_SECONDS.labels(**self.labels).observe(time.perf_counter() - t0)
         metrics.PUBLISH_BYTES.labels(**self.labels).inc(sent)
-        log.info("publish.done", extra={"chunks": added, "from_chunk": first, "to_chunk": len(keys), "tail": tail is not None})
+        log.info("publish.done", extra={"chunks": added, "from_chunk": first, "to_chunk": len(keys), "tail": tail_payload is not None})
 
     def _publish_checkpoints(self, ns: Namespace, tokens: list[int], states: Mapping[int, Buffer]) -> None:
         t0 = time.perf_counter()

@@ -40,3 +40,28 @@ def test_an_event_stream_is_served_as_text_event_stream() -> None:
     anyio.run(EventStream(body()), scope, receive, send)
     assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
     assert b"".join(m.get("body", b"") for m in sent[1:]) == b'data: {"n": 1}\n\ndata: [DONE]\n\n'
+
+
+def test_a_stream_whose_event_loop_runs_late_still_pings_and_ends_whole() -> None:
+    """On a loaded machine the loop wakes after a ping was due: the wait until the next one is then none, never negative."""
+    import time
+
+    async def body():
+        time.sleep(0.05)  # the event loop is held past the first ping's time (a slow start: Redis, a busy CPU)
+        await anyio.sleep(0.02)
+        yield event({"n": 1})
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        await anyio.sleep_forever()
+        return {}
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "path": "/", "headers": []}
+    anyio.run(EventStream(body(), ping=b"event: ping\n\n", ping_s=0.005), scope, receive, send)
+    bodies = [m.get("body", b"") for m in sent[1:]]
+    assert b"event: ping\n\n" in bodies and bodies[-2:] == [b'data: {"n": 1}\n\n', b""]
+    assert sent[-1]["more_body"] is False
