@@ -62,7 +62,7 @@ import redis
 
 from store import index_lua as lua
 from store.errors import StoreUnavailable
-from store.index_writes import TAIL_DEPTH, IndexWrites, lru_score, score_time
+from store.index_writes import TAIL_DEPTH, IndexScripts, IndexWrites, lru_score, score_time
 
 __all__ = ["TAIL_DEPTH", "IndexEntry", "IndexWrites", "Lookup", "RedisIndex", "lru_score", "score_time"]
 
@@ -98,6 +98,7 @@ class Lookup:
 
 class RedisIndex:
     def __init__(self, client: redis.Redis[bytes], prefix: str = "kvpool:v1:") -> None:
+        self.scripts = IndexScripts(client, prefix)
         self.r = client
         self.prefix = prefix
         self.lru_key = prefix + "lru"
@@ -105,9 +106,6 @@ class RedisIndex:
         self.namespaces_key = prefix + "namespaces"
         kwargs = client.connection_pool.connection_kwargs
         self.endpoint = f"redis://{kwargs.get('host', kwargs.get('path', '?'))}:{kwargs.get('port', '')}/{kwargs.get('db', 0)}"
-        self._add = client.register_script(lua.ADD)
-        self._add_tail = client.register_script(lua.ADD_TAIL)
-        self._add_branch = client.register_script(lua.ADD_BRANCH)
         self._remove = client.register_script(lua.REMOVE)
         self._lookup = client.register_script(lua.LOOKUP)
         self._pin = client.register_script(lua.PIN)
@@ -127,6 +125,10 @@ class RedisIndex:
             return fn()
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise StoreUnavailable(self.endpoint, f"{type(e).__name__}: {e}") from e
+
+    def writes(self, now: float | None = None) -> IndexWrites:
+        """Writes to queue and send together in one round trip (`store.index_writes`)."""
+        return IndexWrites(self.scripts, self._call, now)
 
     def _chunk(self, key: bytes) -> str:
         return f"{self.prefix}chunk:{key.hex()}"
@@ -192,7 +194,7 @@ class RedisIndex:
 
     def touch(self, keys: Sequence[bytes], now: float | None = None, *, tail: bytes | None = None) -> None:
         """Mark a chain prefix ``keys[0..]`` (and a tail hanging from it) as used now; entries that are gone stay gone."""
-        writes = IndexWrites(self, now)
+        writes = self.writes(now)
         writes.touch(keys, tail=tail)
         writes.send()
 
@@ -225,7 +227,7 @@ class RedisIndex:
         A ``leaf`` (a whole-state checkpoint, `store.checkpoints`) has nothing hanging from it
         and sorts like a tail: evicted before any chunk used at the same time.
         """
-        writes = IndexWrites(self, now)
+        writes = self.writes(now)
         writes.add(key, namespace, index, size, parent=parent, leaf=leaf)
         return bool(writes.send()[0])
 
@@ -237,7 +239,7 @@ class RedisIndex:
         Returns the keys of the older tails of the same parent that it pushed out (their
         blobs are the caller's to delete), or None when the tail was already indexed.
         """
-        writes = IndexWrites(self, now)
+        writes = self.writes(now)
         writes.add_tail(key, namespace, index, parent, tokens, size, cap=cap)
         out: list[bytes] | None = writes.send()[0]
         return out
@@ -248,7 +250,7 @@ class RedisIndex:
         A prompt that parts from it inside the chunk then resumes where they part: the
         chunk's first cells serve it, as a tail's would. Returns the tails this pushed out.
         """
-        writes = IndexWrites(self)
+        writes = self.writes()
         writes.add_branch(key, parent, tokens, cap=cap)
         out: list[bytes] = writes.send()[0]
         return out

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import numpy as np
+import redis
 
+from store import index_lua as lua
 from store.chain import Namespace, token_bytes
 
-if TYPE_CHECKING:
-    from store.index import RedisIndex
+T = TypeVar("T")
 
 NewTail = tuple[bytes, np.ndarray, int]
 """A tail a publish wrote: its key, its tokens, its blob's size."""
@@ -41,11 +42,31 @@ def _pushed(out: Any) -> list[bytes]:
     return [bytes.fromhex(k.decode()) for k in out]
 
 
-class IndexWrites:
-    """Writes to one index, queued in order; `send` runs them in one round trip and returns each one's answer."""
+class IndexScripts:
+    """The index's Redis client, key names and write scripts (`store.index_lua`), shared by `RedisIndex` and `IndexWrites`."""
 
-    def __init__(self, index: RedisIndex, now: float | None = None) -> None:
+    def __init__(self, client: redis.Redis[bytes], prefix: str) -> None:
+        self.r = client
+        self.prefix = prefix
+        self.lru_key = prefix + "lru"
+        self.bytes_key = prefix + "bytes"
+        self._add = client.register_script(lua.ADD)
+        self._add_tail = client.register_script(lua.ADD_TAIL)
+        self._add_branch = client.register_script(lua.ADD_BRANCH)
+
+    def _chunk(self, key: bytes) -> str:
+        return f"{self.prefix}chunk:{key.hex()}"
+
+
+class IndexWrites:
+    """Writes to one index, queued in order; `send` runs them in one round trip and returns each one's answer.
+
+    ``call`` runs the round trip, mapping a lost Redis to `StoreUnavailable` (`RedisIndex._call`).
+    """
+
+    def __init__(self, index: IndexScripts, call: Callable[[Callable[[], list[Any]]], list[Any]], now: float | None = None) -> None:
         self.index = index
+        self.call = call
         self.now = time.time() if now is None else now
         self._queued: list[tuple[Callable[[Any], object], Callable[[Any], Any]]] = []
         """(queue it on a pipeline, read its answer)"""
@@ -101,11 +122,11 @@ class IndexWrites:
                 queue(pipe)
             return pipe.execute()
 
-        return [read(out) for (_, read), out in zip(self._queued, self.index._call(run))]
+        return [read(out) for (_, read), out in zip(self._queued, self.call(run))]
 
 
 def publish_writes(
-    index: RedisIndex,
+    writes: IndexWrites,
     ns: Namespace,
     tokens: Sequence[int] | np.ndarray,
     keys: Sequence[bytes],
@@ -117,7 +138,6 @@ def publish_writes(
     prompt's last full chunk offered as a candidate when it is new (where the next prompts most often part), and its
     new tail; the caller queues the touch and sends them."""
     c, last, depth = ns.chunk_size, len(keys) - 1, len(keys)
-    writes = IndexWrites(index)
     for i, size in written:
         writes.add(keys[i], ns.key, i, size, parent=keys[i - 1] if i else None)
     if any(i == last for i, _ in written):

@@ -258,7 +258,7 @@ class Store(Maintenance):
             self._describe(ns)
         touched = keys if tail_at else keys[: wanted[-1] + 1]
         new = (*new_tail, len(tail_blob)) if new_tail is not None and tail_blob is not None else None
-        writes = publish_writes(self.index, ns, tokens, keys, written, new, self.tails_per_chunk)
+        writes = publish_writes(self.index.writes(), ns, tokens, keys, written, new, self.tails_per_chunk)
         writes.touch(touched, tail=tail_at[0] if tail_at else None)
         added, pushed = read_publish(self._guard("redis", writes.send), written, keys, new)
         for at, old in pushed:
