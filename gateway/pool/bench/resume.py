@@ -72,7 +72,7 @@ def measure(model: Path, n_tokens: int, threads: int, repeats: int, work: Path) 
             "fresh": Engine(settings, model, store=store, name="fresh"),
         }
         try:
-            text = (Path(__file__).resolve().parents[2] / "README.md").read_text() * 4
+            text = (Path(__file__).resolve().parents[3] / "README.md").read_text() * 4
             tokens = engines["cold"].llm.tokenize(text.encode(), add_bos=True)[:n_tokens]
             questions = iter(range(10**6))
 
