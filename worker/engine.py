@@ -6,7 +6,8 @@ Order of work for a job (`Engine.run`):
 2. Reuse what this worker's own context already holds (longest common prefix, same
    tenant only: a hit across tenants would leak prompts through timing).
 3. If the store holds a deeper prefix, fetch the missing chunks in parallel, verify
-   them, join them with the chunks cut from the local context, and restore.
+   them, join them with the chunks cut from the local context, and restore (a memory
+   that cannot be cut restores its deepest whole-state checkpoint: `worker.checkpoints`).
 4. Evaluate the rest, always at least the last two prompt tokens and never a one-token
    last batch (`worker.llama_state.batch_sizes`), then generate, streaming each token out
    and decoding it exactly where the build allows (`worker.decoding`).
