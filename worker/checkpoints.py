@@ -63,9 +63,9 @@ def checkpoint_stops(start: int, n: int, chunk_size: int, every: int, n_swa: int
     return sorted(stops)
 
 
-def evaluate_saving(llm: Llama, tokens: Sequence[int], start: int, stops: Sequence[int]) -> dict[int, bytearray]:
+def evaluate_saving(llm: Llama, tokens: Sequence[int], start: int, stops: Sequence[int]) -> dict[int, Buffer]:
     """`evaluate_prompt` from ``start``, stopping after each of ``stops`` tokens to copy the whole state (tokens -> state)."""
-    states: dict[int, bytearray] = {}
+    states: dict[int, Buffer] = {}
     pos = start
     for end in sorted(stops):
         evaluate_prompt(llm, tokens[:end], pos)

@@ -48,6 +48,7 @@ from worker import metrics
 from worker.checkpoints import checkpoint_stops, evaluate_saving
 from worker.decoding import DecodeMode, choose_mode, complete_answer, decode_step
 from worker.errors import JobRejected
+from worker.kvstate import Buffer
 from worker.leases import EvalRate, Leases
 from worker.llama_state import CACHE_TYPE_NAMES, ContextCache, context_cache, evaluate_prompt, read_seq_state
 from worker.namespace import SHARED_KERNELS, cache_format, kernels_field, worker_kernels
@@ -320,7 +321,7 @@ class Engine(PrefixFinder):
                 return release()
         if state is None and not breakpoints:
             return release()
-        self.publisher.submit(ns, tokens, state, on_done=release, breakpoints=breakpoints)
+        self.publisher.submit(ns, tokens, state, on_done=release, breakpoints=breakpoints, recycle=state is not None)
 
     def _publish_or_defer(self, spec: JobSpec, ns: Namespace, tokens: list[int], plan: Plan) -> None:
         """At the first token: publish now if the store lacks a full chunk, else leave the tail for `after_answer`.
@@ -358,7 +359,7 @@ class Engine(PrefixFinder):
             return
         state = self._snapshot()
         if state is not None:
-            self.publisher.submit(*deferred, state)
+            self.publisher.submit(*deferred, state, recycle=True)
 
     def _done_generating(self) -> None:
         """A sequence of a shared context: the batcher need not wait for its next step."""
@@ -377,10 +378,10 @@ class Engine(PrefixFinder):
             self.exact_upto = len(held)
         return held
 
-    def _snapshot(self) -> bytearray | None:
-        """A copy of the sequence state for publishing, or None: publishing never fails a job."""
+    def _snapshot(self) -> Buffer | None:
+        """A copy of the sequence state for publishing, into one of the publisher's buffers, or None: publishing never fails a job."""
         try:
-            return read_seq_state(self.llm)
+            return read_seq_state(self.llm, into=self.publisher.buffer if self.publisher else None)
         except Exception as e:
             metrics.PUBLISH_ERRORS.labels(**self.labels, reason=type(e).__name__).inc()
             log.warning("publish.snapshot_failed", extra={"reason": str(e)})

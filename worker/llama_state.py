@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -142,8 +142,7 @@ class ContextCache:
     n_swa: int = 0
     """Tokens a sliding-window layer attends to (0: none)."""
     checkpoints: bool = False
-    """Not cuttable, but the whole state at a chunk boundary can be stored and restored (`worker.checkpoints`):
-    sliding-window, recurrent and hybrid memories, one position per token."""
+    """Not cuttable, but stored whole at chunk boundaries (`worker.checkpoints`): window, recurrent, hybrid memories."""
 
     @property
     def v_trans(self) -> bool:
@@ -211,24 +210,27 @@ def context_cache(llm: Llama) -> ContextCache:
     )
 
 
-def read_seq_state(llm: Llama, seq_id: int = 0) -> bytearray:
-    """``llama_state_seq_get_data`` for one sequence (flags 0), as a single-stream blob (`worker.sequence`)."""
+def read_seq_state(llm: Llama, seq_id: int = 0, *, into: Callable[[int], bytearray] | None = None) -> Buffer:
+    """``llama_state_seq_get_data`` for one sequence (flags 0), as a single-stream blob (`worker.sequence`).
+
+    ``into(size)``: a buffer of at least ``size`` bytes to read into (`Publisher.buffer`); the result is then a view.
+    """
     if isinstance(llm, SeqView):
         return llm.read_state(_read_state)
-    return _read_state(llm.ctx, seq_id)
+    return _read_state(llm.ctx, seq_id, into)  # type: ignore[no-any-return]
 
 
-def _read_state(ctx: Any, seq_id: int) -> bytearray:
+def _read_state(ctx: Any, seq_id: int, into: Callable[[int], bytearray] | None = None) -> Any:
     size = llama_cpp.llama_state_seq_get_size(ctx, seq_id)
     if size == 0:
         raise StateReadError(f"llama_state_seq_get_size failed for sequence {seq_id}")
-    out = bytearray(size)
+    out = into(size) if into is not None else bytearray(size)
     target = (ctypes.c_uint8 * size).from_buffer(out)
     written = llama_cpp.llama_state_seq_get_data(ctx, target, size, seq_id)
     del target  # release the export, so the buffer is an ordinary bytearray again
     if written != size:
         raise StateReadError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
-    return out
+    return out if len(out) == size else memoryview(out)[:size]
 
 
 def clear_seq(llm: Llama, seq_id: int = 0) -> None:
