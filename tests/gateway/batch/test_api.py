@@ -177,7 +177,8 @@ def test_a_gateway_whose_lease_went_to_another_stops_running_the_batch(start_wor
     start_worker("w1")
     gw = start_gateway(KVPOOL_BATCH_LEASE_S="2")
     client = openai_client(gw)
-    f = client.files.create(file=("r.jsonl", io.BytesIO(_lines(30))), purpose="batch")
+    n = 300  # long enough that it cannot finish between the third answer and the lease's change of hands (30 took 1 s)
+    f = client.files.create(file=("r.jsonl", io.BytesIO(_lines(n))), purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     deadline = time.monotonic() + 120
     while client.batches.retrieve(batch.id).request_counts.completed < 3:
@@ -192,6 +193,6 @@ def test_a_gateway_whose_lease_went_to_another_stops_running_the_batch(start_wor
         time.sleep(0.1)
     assert "batch.lease_lost" in gw.log()
     done = _wait(client, batch.id, ("completed",))
-    assert (done.request_counts.total, done.request_counts.completed) == (30, 30)
+    assert (done.request_counts.total, done.request_counts.completed) == (n, n)
     ids = [json.loads(x)["custom_id"] for x in client.files.content(done.output_file_id).text.splitlines()]
-    assert sorted(ids) == sorted(f"req-{i}" for i in range(30)), "every line answered once"
+    assert sorted(ids) == sorted(f"req-{i}" for i in range(n)), "every line answered once"
