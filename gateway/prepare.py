@@ -6,6 +6,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import xxhash
+
 from gateway.errors import ContextOverflow, InvalidRequest, NotFound
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
@@ -14,6 +17,7 @@ from gateway.tenants import Tenant
 from gateway.tokenizer import TemplateError, Tokenizer
 from gateway.toolformat import Offered, ToolFormat
 from store.fingerprint import fingerprint_file
+from store.tails import common_prefix
 from worker.protocol import JobSpec, SamplingParams, job_spec
 
 
@@ -27,6 +31,10 @@ class Prepared:
     """The functions a chat answer may call: its text is parsed for their calls."""
 
 
+EARLIER_KEPT = 256
+"""Chats' earlier messages whose tokens a gateway keeps (about 8 KB each for 2,000 tokens)."""
+
+
 class Preparer:
     """Holds what every request needs: the tokenizer, the model fingerprint and the settings."""
 
@@ -37,6 +45,8 @@ class Preparer:
         self.fingerprint = fingerprint_file(model_path)
         self.model_name = settings.model_name or Path(model_path).name.removesuffix(".gguf")
         self.tool_format = ToolFormat.for_template(self.tokenizer.template_source, settings.tool_format)
+        self._earlier: dict[bytes, np.ndarray] = {}
+        """Tokens of recent chats' earlier messages, by their text's hash, least recently used first (`_last_message_start`)."""
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -95,19 +105,28 @@ class Preparer:
         return Prepared(prepared.spec, chat=True, tools=self.tool_format.offered(req))
 
     def _last_message_start(self, req: ChatCompletionRequest, tokens: list[int]) -> list[int]:
-        """Where the last message starts in ``tokens`` (a hint for workers that checkpoint whole states), if it can be told.
+        """Where the last message starts in ``tokens``: a hint for workers that checkpoint whole states, for their models only.
 
         The prompt of the messages before it parts from this one there: they share every
-        token up to the last message's own (whatever the template adds after them).
+        token up to the last message's own (whatever the template adds after them). Their
+        tokens are kept for the next request with the same earlier messages (another
+        question about the same document, say): tokenizing them again cost as much as the
+        prompt itself (12 ms for 2,000 tokens of Gemma 3).
         """
-        if len(req.messages) < 2:
+        if len(req.messages) < 2 or not self.tokenizer.stored_whole:
             return []
         try:
             text = self.tool_format.render(self.tokenizer, req.model_copy(update={"messages": req.messages[:-1]}))
         except (TemplateError, InvalidRequest):  # a template that refuses the shorter chat: no hint
             return []
-        before = self.tokenizer.tokenize(text, special=True)
-        n = next((i for i, (a, b) in enumerate(zip(before, tokens)) if a != b), min(len(before), len(tokens)))
+        key = xxhash.xxh3_128_digest(text.encode())
+        before = self._earlier.pop(key, None)
+        if before is None:
+            before = np.asarray(self.tokenizer.tokenize(text, special=True), dtype=np.int32)
+        self._earlier[key] = before
+        while len(self._earlier) > EARLIER_KEPT:
+            self._earlier.pop(next(iter(self._earlier)))
+        n = common_prefix(before, tokens)
         return [n] if 0 < n < len(tokens) else []
 
     def _job(

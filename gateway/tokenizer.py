@@ -29,6 +29,10 @@ class TemplateError(InvalidRequest):
         super().__init__(message, param="messages")
 
 
+WHOLE_STATE_KEYS = (".attention.sliding_window",)
+"""GGUF keys (after the architecture's name) of a sliding-window model."""
+
+
 class Tokenizer:
     def __init__(self, model_path: str | Path, template: str | None = None) -> None:
         self.llm = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
@@ -41,6 +45,9 @@ class Tokenizer:
         self.template_source = source
         self.template = compile_template(source)
         self.chat_stops = [s for s in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>") if s in source]
+        self.stored_whole = any(k.endswith(WHOLE_STATE_KEYS) or any(m in k for m in (".ssm.", ".wkv.", ".shortconv.")) for k in meta)
+        """The model's cache cannot be cut into chunks (a sliding window, a recurrent or hybrid memory: told by its GGUF
+        keys, since a vocabulary-only load has no hyper-parameters): workers share it as whole-state checkpoints."""
 
     def _piece(self, token: int) -> str:
         return self.llm.detokenize([token], special=True).decode("utf-8", "replace") if token >= 0 else ""
