@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import boto3
 import httpx
 import llama_cpp
 import numpy as np
@@ -47,6 +48,17 @@ def s3_settings(endpoint_url: str, bucket: str, redis_url: str, **overrides: obj
         read_timeout_s=2.0,
         retries=1,
         **overrides,
+    )
+
+
+def s3_client(s: StoreSettings) -> Any:
+    """A boto3 client of the test S3 server that ``s`` names (to reach blobs behind the store's back)."""
+    return boto3.client(
+        "s3",
+        endpoint_url=s.s3_endpoint_url,
+        aws_access_key_id=s.s3_access_key_id,
+        aws_secret_access_key=s.s3_secret_access_key,
+        region_name="us-east-1",
     )
 
 

@@ -49,7 +49,7 @@ from gateway.tenants import Tenants
 from store.blob import BlobName
 from store.index import RedisIndex
 from store.maintenance import UNKNOWN_KERNELS, bytes_by_kernels
-from tests.helpers import cold_generate, env_for_pool, s3_settings
+from tests.helpers import cold_generate, env_for_pool, s3_client, s3_settings
 
 CLIENTS = 4
 MAX_TOKENS = 12
@@ -208,13 +208,7 @@ def _recovered_after(out: list[Outcome], t: float) -> float:
 
 def _corrupt_blobs(pool: Pool, count: int) -> int:
     s = s3_settings(pool.s3.endpoint_url, BUCKET, pool.redis.url)
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=s.s3_endpoint_url,
-        aws_access_key_id=s.s3_access_key_id,
-        aws_secret_access_key=s.s3_secret_access_key,
-        region_name="us-east-1",
-    )
+    s3 = s3_client(s)
     try:
         listed = s3.list_objects_v2(Bucket=BUCKET).get("Contents", [])
     except s3.exceptions.NoSuchBucket:

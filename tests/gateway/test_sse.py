@@ -27,17 +27,7 @@ def test_an_event_stream_is_served_as_text_event_stream() -> None:
         yield event({"n": 1})
         yield DONE
 
-    sent: list[dict] = []
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    async def receive() -> dict:
-        await anyio.sleep_forever()
-        return {}
-
-    scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "path": "/", "headers": []}
-    anyio.run(EventStream(body()), scope, receive, send)
+    sent = serve(EventStream(body()))
     assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
     assert b"".join(m.get("body", b"") for m in sent[1:]) == b'data: {"n": 1}\n\ndata: [DONE]\n\n'
 
@@ -51,6 +41,14 @@ def test_a_stream_whose_event_loop_runs_late_still_pings_and_ends_whole() -> Non
         await anyio.sleep(0.02)
         yield event({"n": 1})
 
+    sent = serve(EventStream(body(), ping=b"event: ping\n\n", ping_s=0.005))
+    bodies = [m.get("body", b"") for m in sent[1:]]
+    assert b"event: ping\n\n" in bodies and bodies[-2:] == [b'data: {"n": 1}\n\n', b""]
+    assert sent[-1]["more_body"] is False
+
+
+def serve(stream: EventStream) -> list[dict]:
+    """Run ``stream`` as an ASGI app for one request whose client never leaves; the messages it sent."""
     sent: list[dict] = []
 
     async def send(message: dict) -> None:
@@ -61,7 +59,5 @@ def test_a_stream_whose_event_loop_runs_late_still_pings_and_ends_whole() -> Non
         return {}
 
     scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "path": "/", "headers": []}
-    anyio.run(EventStream(body(), ping=b"event: ping\n\n", ping_s=0.005), scope, receive, send)
-    bodies = [m.get("body", b"") for m in sent[1:]]
-    assert b"event: ping\n\n" in bodies and bodies[-2:] == [b'data: {"n": 1}\n\n', b""]
-    assert sent[-1]["more_body"] is False
+    anyio.run(stream, scope, receive, send)
+    return sent

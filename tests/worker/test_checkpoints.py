@@ -12,7 +12,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import boto3
 import llama_cpp
 import pytest
 import redis
@@ -22,7 +21,7 @@ from gateway.pool.procs import free_port
 from store.chain import Namespace
 from store.checkpoints import checkpoint_key, checkpoint_name
 from store.index import RedisIndex
-from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, prompt_text
+from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, prompt_text, s3_client
 from worker.checkpoints import WINDOW_ALIGN, aligned, checkpoint_stops
 from worker.namespace import namespace_for
 
@@ -116,13 +115,7 @@ def test_a_resent_prompt_resumes_at_its_last_two_tokens_and_a_corrupted_checkpoi
 
     name = str(checkpoint_name(ns, prompt, keys, stops[-1]))
     bucket, _, prefix = store_settings_s3.store_url.removeprefix("s3://").partition("/")
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=store_settings_s3.s3_endpoint_url,
-        aws_access_key_id=store_settings_s3.s3_access_key_id,
-        aws_secret_access_key=store_settings_s3.s3_secret_access_key,
-        region_name="us-east-1",
-    )
+    s3 = s3_client(store_settings_s3)
     blob = bytearray(s3.get_object(Bucket=bucket, Key=f"{prefix}/{name}")["Body"].read())
     blob[-100] ^= 0xFF
     s3.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=bytes(blob))

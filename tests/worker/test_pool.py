@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 import urllib.request
 
-import boto3
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
@@ -13,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.pool.procs import S3Server
 from store.blob import BlobName
 from store.index import RedisIndex
-from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, prompt_text, s3_settings
+from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, prompt_text, s3_client, s3_settings
 from worker.client import cancel
 from worker.namespace import namespace_for
 
@@ -104,13 +103,7 @@ def test_a_corrupted_blob_is_not_loaded_and_the_answer_is_still_right(start_work
     ns = namespace_for(client.settings, client.fingerprint)
     keys = ns.chain(prompt)
     bucket, _, prefix = store_settings_s3.store_url.removeprefix("s3://").partition("/")
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=store_settings_s3.s3_endpoint_url,
-        aws_access_key_id=store_settings_s3.s3_access_key_id,
-        aws_secret_access_key=store_settings_s3.s3_secret_access_key,
-        region_name="us-east-1",
-    )
+    s3 = s3_client(store_settings_s3)
     object_key = f"{prefix}/{BlobName(ns.key, 2, keys[2])}"
     blob = bytearray(s3.get_object(Bucket=bucket, Key=object_key)["Body"].read())
     blob[-100] ^= 0xFF

@@ -11,12 +11,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import boto3
 import httpx
 import openai
 
 from gateway.pool.procs import free_port
-from tests.helpers import s3_settings
+from tests.helpers import s3_client, s3_settings
 from tests.terminal import Terminal
 
 KVPOOL = str(Path(sys.executable).parent / "kvpool")
@@ -87,13 +86,7 @@ def test_up_demo_sends_real_requests_and_reuses_the_prefix(tmp_path: Path) -> No
 
 def test_up_takes_the_model_from_the_bucket(tmp_path: Path, tiny_model: Path, s3_server, redis_url: str) -> None:
     settings = s3_settings(s3_server.endpoint_url, "kvpool-models", redis_url)
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=s3_server.endpoint_url,
-        aws_access_key_id=settings.s3_access_key_id,
-        aws_secret_access_key=settings.s3_secret_access_key,
-        region_name="us-east-1",
-    )
+    s3 = s3_client(settings)
     s3.create_bucket(Bucket="kvpool-models")
     s3.upload_file(str(tiny_model), "kvpool-models", "models/tiny.gguf")
     state = tmp_path / "state"
