@@ -34,6 +34,12 @@ namespace with the worker's KV layout: the worker derives it from the job's toke
 stores, fetches and leases by it, so workers of each layout find only their own blobs
 and a blob's verification is unchanged.
 
+Both are `NewType`s of ``bytes`` (`PrefixKey`, `BlobKey`), so that one is never passed
+where the other is meant, and a job hashes each chain once: the worker checks the job's
+prefix keys, hashes the blob chain, and passes it along to the lookup, the restore, the
+leases and the publisher; a longer prompt (prompt plus answer) extends it
+(`extend_chain`) rather than hashing it again from the start.
+
 Everything here is deterministic across processes and machines: xxh3 with seed 0,
 explicit little-endian encodings, no Python ``hash()``, no pickle.
 """
@@ -44,6 +50,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NewType, cast
 
 import numpy as np
 import xxhash
@@ -52,6 +59,11 @@ FORMAT_VERSION = 1
 DEFAULT_CHUNK_SIZE = 256
 KEY_BYTES = 16
 MAX_TOKEN_ID = 2**31 - 1
+
+PrefixKey = NewType("PrefixKey", bytes)
+"""A key of the prefix chain (no KV layout): what the gateway routes by, jobs carry and adverts list."""
+BlobKey = NewType("BlobKey", bytes)
+"""A key of a blob chain (rooted in a worker's KV layout): what blobs, index entries and leases are named by."""
 
 _NS_MAGIC = b"kvpool/namespace"
 _TAIL_MAGIC = b"kvpool/tail"
@@ -106,8 +118,13 @@ class Namespace:
     def key(self) -> bytes:
         return namespace_key(self.model_fingerprint, self.layout, self.chunk_size, self.tenant_salt)
 
-    def chain(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
-        return chain_keys(self.key, tokens, self.chunk_size)
+    def chain(self, tokens: Sequence[int] | np.ndarray) -> list[BlobKey]:
+        """The keys of every full chunk of ``tokens`` (hash it once per prompt, then pass it along)."""
+        return cast(list[BlobKey], chain_keys(self.key, tokens, self.chunk_size))
+
+    def extend(self, keys: Sequence[BlobKey], tokens: Sequence[int] | np.ndarray) -> list[BlobKey]:
+        """The chain of ``tokens`` given ``keys``, the chain of a prefix of them: only the chunks past it are hashed."""
+        return cast(list[BlobKey], extend_chain(self.key, keys, tokens, self.chunk_size))
 
     def parent_of(self, keys: Sequence[bytes], index: int) -> bytes:
         """The key chunk (or tail) ``index`` hangs from: chunk ``index-1``, or the namespace for 0."""
@@ -121,6 +138,11 @@ PREFIX_LAYOUT = CacheFormat("-", "-", False, (("address", "prefix"),))
 def prefix_namespace(model_fingerprint: str, chunk_size: int, tenant_salt: str = "") -> Namespace:
     """The namespace of the prefix chain: model, chunk size and tenant, with no KV layout."""
     return Namespace(model_fingerprint, PREFIX_LAYOUT, chunk_size, tenant_salt)
+
+
+def prefix_chain(model_fingerprint: str, chunk_size: int, tenant_salt: str, tokens: Sequence[int] | np.ndarray) -> list[PrefixKey]:
+    """The prefix keys of every full chunk of ``tokens``."""
+    return cast(list[PrefixKey], chain_keys(prefix_namespace(model_fingerprint, chunk_size, tenant_salt).key, tokens, chunk_size))
 
 
 def _field(data: bytes) -> bytes:
@@ -173,6 +195,15 @@ def chain_keys(namespace: bytes, tokens: Sequence[int] | np.ndarray, chunk_size:
         parent = xxhash.xxh3_128_digest(parent + raw[i * step : (i + 1) * step])
         keys.append(parent)
     return keys
+
+
+def extend_chain(namespace: bytes, keys: Sequence[bytes], tokens: Sequence[int] | np.ndarray, chunk_size: int) -> list[bytes]:
+    """`chain_keys` of ``tokens`` where ``keys`` already holds the keys of its first ``len(keys)`` chunks."""
+    done = len(keys)
+    if done * chunk_size > len(tokens):
+        raise ValueError(f"{done} chunks of keys for {len(tokens)} tokens")
+    parent = keys[-1] if done else namespace
+    return [*keys, *chain_keys(parent, tokens[done * chunk_size :], chunk_size)]
 
 
 def tail_key(parent: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:

@@ -278,12 +278,13 @@ class Store(Maintenance):
         """`publish` of the prompt's partial last chunk alone; returns whether it was new."""
         return self.publish(ns, tokens, keys, {}, tail=payload) > 0
 
-    def pin(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, until: float) -> None:
-        """Keep the stored prefix ``tokens`` (its full chunks, and its tail if it ends inside a chunk) until ``until``.
+    def pin(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, until: float, *, keys: Sequence[bytes] | None = None) -> None:
+        """Keep the stored prefix ``tokens`` (chain ``keys``, hashed here if not given: its full chunks, and its tail if it
+        ends inside a chunk) until ``until``.
 
         What is not stored yet is not pinned: publish first (`store.index.RedisIndex.pin`).
         """
-        keys = ns.chain(tokens)
+        keys = ns.chain(tokens) if keys is None else keys
         end = len(keys) * ns.chunk_size
         tail = tail_key(ns.parent_of(keys, len(keys)), tokens[end:]) if end < len(tokens) else None
         self._guard("redis", lambda: self.index.pin(keys, until, tail=tail))

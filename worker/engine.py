@@ -38,9 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import numpy as np
-
-from store.chain import Namespace, prefix_namespace
+from store.chain import BlobKey, Namespace, PrefixKey, prefix_chain
 from store.checkpoints import Checkpoints
 from store.fingerprint import fingerprint_file
 from store.store import Store
@@ -50,9 +48,9 @@ from worker.decoding import DecodeMode, choose_mode, complete_answer, decode_ste
 from worker.errors import JobRejected
 from worker.kvstate import Buffer
 from worker.leases import EvalRate, Leases
-from worker.llama_state import CACHE_TYPE_NAMES, ContextCache, context_cache, evaluate_prompt, read_seq_state
+from worker.llama_state import CACHE_TYPE_NAMES, ContextCache, Llama, context_cache, evaluate_prompt, read_seq_state
 from worker.namespace import SHARED_KERNELS, cache_format, kernels_field, worker_kernels
-from worker.prefix import Plan, PrefixFinder
+from worker.prefix import Held, Plan, PrefixFinder
 from worker.protocol import Breakpoint, JobResult, JobSpec, Timings, TokenEvent, Usage
 from worker.publisher import Publisher
 from worker.sampling import Output, job_result, sample_choices
@@ -69,17 +67,18 @@ Emit = Callable[[TokenEvent], bool]
 """Sends one token event; returns False when the job was cancelled."""
 
 
-class Engine(PrefixFinder):
+class Engine:
     def __init__(self, settings: WorkerSettings, model_path: Path, *, store: Store | None, name: str) -> None:
         self.settings = settings
         self.name = name
         self.store = store
         self.model_path = model_path
         self.fingerprint = fingerprint_file(model_path)
-        self.llm, self.batcher = open_context(settings, model_path)
+        llm, self.batcher = open_context(settings, model_path)
         self.owner = True
         """This engine opened the context and closes it (the other sequences' engines share it: `worker.slots`)."""
-        self.kv: ContextCache = context_cache(self.llm)
+        self.kv: ContextCache = context_cache(llm)
+        self.held = Held(llm, self.kv)
         self.kernels = worker_kernels(settings)
         self.layout = cache_format(
             CACHE_TYPE_NAMES.get(self.kv.type_k, str(self.kv.type_k)),
@@ -91,11 +90,9 @@ class Engine(PrefixFinder):
         self.labels = {"model": Path(model_path).name, "layout": self.layout.canonical()}
         if store is not None:  # what `kvpool store stats` says of the namespaces this worker publishes to
             store.about = {"kernels": SHARED_KERNELS if settings.share_across_kernels else self.kernels.canonical()}
-        self.context_tenant: str | None = None
-        self.exact_upto = 0
-        """Leading cells that hold exactly what a cold evaluation of their tokens would (never one-token decodes)."""
-        self._pending: tuple[Namespace, list[int], list[int]] | None = None
-        self._deferred: tuple[Namespace, list[int]] | None = None
+        self._pending: tuple[Namespace, list[int], list[BlobKey], list[int]] | None = None
+        """The last job's prompt, its keys and its answer, until the answer is published."""
+        self._deferred: tuple[Namespace, list[int], list[BlobKey]] | None = None
         verdict = startup_verdict(self.llm, self.kv, settings, store=store is not None, shared=self.batcher is not None)
         self.restore_enabled, self.exact = verdict.restore, verdict.exact
         self.checkpoints = Checkpoints(store) if verdict.checkpoints and store is not None else None
@@ -114,6 +111,17 @@ class Engine(PrefixFinder):
             if store is not None and self.publisher and settings.coalesce
             else None
         )
+        self.finder = self._finder()
+
+    def _finder(self) -> PrefixFinder:
+        return PrefixFinder(
+            self.held, self.store, self.checkpoints, self.leases, self.eval_rate, self.labels, self.restore_enabled, self.name
+        )
+
+    @property
+    def llm(self) -> Llama:
+        """This sequence's context (a `SeqView` of the shared one, or the worker's own `Llama`)."""
+        return self.held.llm
 
     @property
     def publishes_cells(self) -> bool:
@@ -132,31 +140,24 @@ class Engine(PrefixFinder):
         """Where this worker's blobs live: the chain rooted in its KV layout."""
         return Namespace(self.fingerprint, self.layout, self.settings.chunk_size, tenant_salt)
 
-    def prefix_chain(self, tenant_salt: str, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
-        """The layout-free keys the gateway routes by and jobs carry (`store.chain.prefix_namespace`)."""
-        return prefix_namespace(self.fingerprint, self.settings.chunk_size, tenant_salt).chain(tokens)
-
-    def held_keys(self) -> list[bytes]:
-        """Prefix keys of the full chunks the context holds exactly, under the tenant that filled it."""
-        if self.context_tenant is None or self.exact_upto == 0:
-            return []
-        return self.prefix_chain(self.context_tenant, self.llm.input_ids[: self.exact_upto])
+    def held_keys(self) -> list[PrefixKey]:
+        """Prefix keys of the full chunks the context holds exactly, under the tenant that filled it (what adverts list)."""
+        return self.held.prefix_keys(self.fingerprint, self.settings.chunk_size)
 
     def forget_context(self) -> None:
         """Start the next job from an empty context (after a failure its contents are unknown)."""
-        self.context_tenant = None
-        self.exact_upto = 0
-        self.llm.reset()
+        self.held.forget()
 
     def for_sequence(self, seq: int, name: str) -> Engine:
         """The engine of another sequence of this engine's shared context (`worker.slots`): model, store, publisher,
         leases and start-up verdicts shared, the sequence's cells and pending publishes its own."""
         assert self.batcher is not None
         other = copy.copy(self)
-        other.llm = SeqView(self.batcher, seq, self.settings.parallel, self.settings.n_ctx)
+        other.held = Held(SeqView(self.batcher, seq, self.settings.parallel, self.settings.n_ctx), self.kv)
         other.name, other.owner, other._pending, other._deferred = name, False, None, None
         if self.leases is not None and self.store is not None:  # a lease names the sequence holding it
             other.leases = Leases(self.store.index.r, name, self.settings.lease_s, self.settings.lease_wait_min_s)
+        other.finder = other._finder()
         other.forget_context()
         return other
 
@@ -182,33 +183,35 @@ class Engine(PrefixFinder):
             raise JobRejected(misfit)
         ns = self.namespace(spec.tenant_salt)
         tokens = list(spec.tokens)
-        if [k.hex() for k in self.prefix_chain(spec.tenant_salt, tokens)] != spec.chain:
+        prefix = prefix_chain(self.fingerprint, self.settings.chunk_size, spec.tenant_salt, tokens)
+        if [k.hex() for k in prefix] != spec.chain:
             raise JobRejected("the job's prefix keys disagree with its tokens (different model, chunk size or tenant salt?)")
-        keys = ns.chain(tokens)
+        self.held.learn(spec.tenant_salt, tokens, prefix)
+        keys = ns.chain(tokens)  # the blob chain, hashed once and passed along
 
         plan = self._plan_for(spec, ns, tokens, keys)
         if spec.sampling.prompt_logprobs is None:
-            plan = self._coalesce(ns, tokens, keys, plan)
+            plan = self.finder.coalesce(ns, tokens, keys, plan)
         try:
             self._count_prompt(plan, len(tokens))
             t_eval = time.perf_counter()
             scored = self._evaluate(spec, ns, tokens, keys, plan.start)
             self.eval_rate.observe(len(tokens) - plan.start, time.perf_counter() - t_eval)
-            self.context_tenant, self.exact_upto = spec.tenant_salt, len(tokens)
+            self.held.hold(spec.tenant_salt, len(tokens))
             try:
-                outs = self._generate(spec, emit, lambda: self._publish_or_defer(spec, ns, tokens, plan))
+                outs = self._generate(spec, emit, lambda: self._publish_or_defer(spec, ns, tokens, keys, plan))
             finally:
                 self._done_generating()
             out = outs[0]
             if self.decode.exact:  # the context holds the last choice's cells, each what a cold evaluation holds
-                self.exact_upto = self.llm.n_tokens
-            self._publish(ns, tokens, plan, spec.breakpoints)
+                self.held.exact_upto = self.llm.n_tokens
+            self._publish(ns, tokens, keys, plan, spec.breakpoints)
         finally:
             self._handoff(plan)()
         if spec.wait_for_publish and self.publisher is not None:
             self.publisher.wait_idle()
         last = outs[-1] if self.decode.exact else out
-        self._pending = (ns, tokens, last.tokens) if last.finish != "cancelled" else None
+        self._pending = (ns, tokens, keys, last.tokens) if last.finish != "cancelled" else None
         t_first = out.t_first or time.perf_counter()
         t_end = time.perf_counter()
         n_generated = sum(len(o.tokens) for o in outs)
@@ -228,15 +231,15 @@ class Engine(PrefixFinder):
         )
         return self._result(spec, plan, outs, timings, scored)
 
-    def _plan_for(self, spec: JobSpec, ns: Namespace, tokens: list[int], keys: list[bytes]) -> Plan:
+    def _plan_for(self, spec: JobSpec, ns: Namespace, tokens: list[int], keys: list[BlobKey]) -> Plan:
         """The prefix to keep; none for a scored prompt, whose every position needs its logits (`worker.scoring`)."""
         if spec.sampling.prompt_logprobs is None:
-            return self._prepare(ns, tokens, keys)
+            return self.finder.prepare(ns, tokens, keys)
         plan = Plan(store_status="ok" if self.store else "disabled")
-        self._store_hit(ns, tokens, keys, plan)
+        self.finder.store_hit(ns, tokens, keys, plan)
         return plan
 
-    def _evaluate(self, spec: JobSpec, ns: Namespace, tokens: list[int], keys: list[bytes], start: int) -> list[TokenEvent] | None:
+    def _evaluate(self, spec: JobSpec, ns: Namespace, tokens: list[int], keys: list[BlobKey], start: int) -> list[TokenEvent] | None:
         if spec.sampling.prompt_logprobs is not None:
             return score_prompt(self.llm, tokens, spec.sampling.prompt_logprobs)
         if self.checkpoints is None or self.publisher is None:
@@ -245,7 +248,7 @@ class Engine(PrefixFinder):
         stops = checkpoint_stops(start, len(tokens), ns.chunk_size, self.settings.checkpoint_every, self.kv.n_swa, spec.message_starts)
         states = evaluate_saving(self.llm, tokens, start, self.checkpoints.missing(ns, tokens, keys, stops))
         if states:
-            self.publisher.submit_checkpoints(ns, tokens, states)
+            self.publisher.submit_checkpoints(ns, tokens, keys, states)
         return None
 
     def _count_prompt(self, plan: Plan, n_prompt: int) -> None:
@@ -285,22 +288,22 @@ class Engine(PrefixFinder):
         pending, self._pending = self._pending, None
         if pending is None or self.decode.exact or not self.settings.settle_completions or not self.kv.prefix_reuse:
             return
-        ns, tokens, generated = pending
+        ns, tokens, keys, generated = pending
         try:
             for pos in settle(
                 self.llm, tokens, generated, n_ctx=self.settings.n_ctx, idle_s=self.settings.settle_idle_s, job_waiting=job_waiting
             ):
-                self.exact_upto = pos
+                self.held.exact_upto = pos
         except Exception:  # the answer is already out: never fail the job for this
             log.exception("settle.failed")
             self.forget_context()
             return
-        if self.exact_upto == len(tokens) + len(generated):
-            self._publish(ns, tokens + generated, Plan())
+        if self.held.exact_upto == len(tokens) + len(generated):
+            self._publish(ns, tokens + generated, ns.extend(keys, tokens + generated), Plan())
 
     # -- publishing -------------------------------------------------------------
 
-    def _publish(self, ns: Namespace, tokens: list[int], plan: Plan, breakpoints: Sequence[Breakpoint] = ()) -> None:
+    def _publish(self, ns: Namespace, tokens: list[int], keys: list[BlobKey], plan: Plan, breakpoints: Sequence[Breakpoint] = ()) -> None:
         """Hand the prompt's state to the background publisher, once a job; it stores what the store lacks.
 
         That is the full chunks and the partial last one (the tail), so that any worker can
@@ -315,15 +318,15 @@ class Engine(PrefixFinder):
         plan.published = True
         release = self._handoff(plan)
         state = None
-        if plan.store_tokens < len(tokens) or self.publisher.lacks(ns, tokens, breakpoints):
+        if plan.store_tokens < len(tokens) or self.publisher.lacks(ns, tokens, keys, breakpoints):
             state = self._snapshot()
             if state is None:
                 return release()
         if state is None and not breakpoints:
             return release()
-        self.publisher.submit(ns, tokens, state, on_done=release, breakpoints=breakpoints, recycle=state is not None)
+        self.publisher.submit(ns, tokens, keys, state, on_done=release, breakpoints=breakpoints, recycle=state is not None)
 
-    def _publish_or_defer(self, spec: JobSpec, ns: Namespace, tokens: list[int], plan: Plan) -> None:
+    def _publish_or_defer(self, spec: JobSpec, ns: Namespace, tokens: list[int], keys: list[BlobKey], plan: Plan) -> None:
         """At the first token: publish now if the store lacks a full chunk, else leave the tail for `after_answer`.
 
         New full chunks go out at once: other workers may be waiting for them (`worker.leases`).
@@ -334,11 +337,11 @@ class Engine(PrefixFinder):
         """
         full = len(tokens) // ns.chunk_size * ns.chunk_size
         if spec.wait_for_publish or spec.breakpoints or plan.store_tokens < full or plan.published or not self.publishes_cells:
-            return self._publish(ns, tokens, plan, spec.breakpoints)
+            return self._publish(ns, tokens, keys, plan, spec.breakpoints)
         plan.published = True
         self._handoff(plan)()
         if self.publisher is not None and plan.store_tokens < len(tokens):
-            self._deferred = (ns, tokens)
+            self._deferred = (ns, tokens, keys)
 
     def after_answer(self) -> None:
         """Once the job's last event is out: publish what the next request may resume from.
@@ -350,11 +353,11 @@ class Engine(PrefixFinder):
         """
         deferred, self._deferred = self._deferred, None
         if self.decode.exact and self._pending is not None:
-            (ns, tokens, generated), self._pending = self._pending, None
+            (ns, tokens, keys, generated), self._pending = self._pending, None
             held = self._complete_answer(tokens, generated)
             self._done_generating()
             if held is not None:
-                deferred = (ns, held) if self.publishes_cells else None
+                deferred = (ns, held, ns.extend(keys, held)) if self.publishes_cells else None
         if deferred is None or self.publisher is None:
             return
         state = self._snapshot()
@@ -375,7 +378,7 @@ class Engine(PrefixFinder):
             self.forget_context()
             return None
         if held is not None:
-            self.exact_upto = len(held)
+            self.held.exact_upto = len(held)
         return held
 
     def _snapshot(self) -> Buffer | None:

@@ -1,14 +1,17 @@
-"""Bringing a worker's context to the deepest prefix of a prompt that is available: its own cells, then the store.
+"""Bringing a sequence's context to the deepest prefix of a prompt that is available: its own cells, then the store.
 
-`PrefixFinder` is the part of `worker.engine.Engine` that decides how many prompt cells
-a job keeps. Its own context counts only where the cells are exact (same tenant, cells
-from prompt batches, see ``Engine.exact_upto``); the store counts when it holds more of
-the prompt than that: full chunks, then the stored tail that matches the prompt furthest
-(`store.tails`), so a worker resumes at the exact token another one reached. What the
-store adds is fetched, verified, joined with the local chunks and restored in one go.
-The last two prompt tokens are never kept (`keepable`).
+`Held` is what one sequence's context holds: the tenant that filled it and how many of
+its leading cells are exact (same tenant, cells from prompt batches or exact decoding),
+with the prefix keys of those cells, learned from the jobs that filled them rather than
+hashed again for every advert. `PrefixFinder`, one per sequence beside the engine,
+decides how many prompt cells a job keeps. The context counts only where its cells are
+exact; the store counts when it holds more of the prompt than that: full chunks, then
+the stored tail that matches the prompt furthest (`store.tails`), so a worker resumes at
+the exact token another one reached. What the store adds is fetched, verified, joined
+with the local chunks and restored in one go. The last two prompt tokens are never kept
+(`keepable`).
 
-When another worker is evaluating chunks of the same prompt right now, `_coalesce`
+When another worker is evaluating chunks of the same prompt right now, `coalesce`
 waits for it to publish them rather than evaluating them too (`worker.leases`), then
 finds the prefix again; it leases the chunks it will evaluate itself.
 """
@@ -17,13 +20,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import llama_cpp
 import numpy as np
 import redis
 
-from store.chain import Namespace
+from store.chain import BlobKey, Namespace, PrefixKey, extend_chain, prefix_namespace
 from store.checkpoints import Checkpoints
 from store.errors import StoreError, StoreUnavailable
 from store.store import Fetched, Store
@@ -59,42 +63,99 @@ class Plan:
         return self.cached_context + self.cached_store
 
 
-class PrefixFinder:
-    """Mixed into the engine: needs its context, KV layout, store and what the context holds."""
+@dataclass
+class Held:
+    """What one sequence's context holds that a job may keep."""
 
     llm: Llama
     kv: ContextCache
+    tenant: str | None = None
+    """The tenant whose prompts filled the context: a hit across tenants would leak prompts through timing."""
+    exact_upto: int = 0
+    """Leading cells that hold exactly what a cold evaluation of their tokens would (never one-token decodes)."""
+    _known: tuple[str | None, np.ndarray, list[PrefixKey]] = (None, np.zeros(0, dtype=np.int32), [])
+    """Prefix keys of tokens the context held (`learn`), extended rather than hashed again."""
+
+    def hold(self, tenant: str, n: int) -> None:
+        self.tenant, self.exact_upto = tenant, n
+
+    def forget(self) -> None:
+        """Start the next job from an empty context (after a failure its contents are unknown)."""
+        self.tenant, self.exact_upto = None, 0
+        self.llm.reset()
+
+    def learn(self, tenant: str, tokens: Sequence[int], keys: list[PrefixKey]) -> None:
+        """The prefix keys of ``tokens`` (a job's, checked against its tokens): `prefix_keys` starts from them."""
+        self._known = (tenant, np.asarray(tokens, dtype=np.int32), keys)
+
+    def prefix_keys(self, fingerprint: str, chunk_size: int) -> list[PrefixKey]:
+        """Prefix keys of the full chunks held exactly: only the chunks past what `learn` was told are hashed."""
+        if self.tenant is None or self.exact_upto == 0:
+            return []
+        held = np.asarray(self.llm.input_ids[: min(self.exact_upto, self.llm.n_tokens)], dtype=np.int32)
+        tenant, tokens, keys = self._known
+        same = 0
+        if tenant == self.tenant:
+            upto = min(len(tokens), len(held), len(keys) * chunk_size)
+            diff = np.flatnonzero(tokens[:upto] != held[:upto])
+            same = (int(diff[0]) if diff.size else upto) // chunk_size
+        root = prefix_namespace(fingerprint, chunk_size, self.tenant).key
+        out: list[PrefixKey] = extend_chain(root, keys[:same], held, chunk_size)  # type: ignore[assignment]
+        self._known = (self.tenant, held.copy(), out)
+        return out
+
+    def local_prefix(self, tenant: str, tokens: list[int]) -> int:
+        """How many leading prompt tokens the context holds exactly for ``tenant``; another tenant's context is dropped."""
+        if self.tenant != tenant or not self.kv.prefix_reuse or self.exact_upto == 0:
+            self.forget()
+            return 0
+        held = self.llm.input_ids[: min(self.exact_upto, self.llm.n_tokens)]
+        upto = min(len(held), len(tokens))
+        diff = np.flatnonzero(held[:upto] != np.asarray(tokens[:upto]))
+        n = int(diff[0]) if diff.size else upto
+        return n if window_held(self.llm, self.kv, n) else 0
+
+
+@dataclass
+class PrefixFinder:
+    """Finds and restores the deepest prefix of a prompt for one sequence (`Held`) from its context and the store."""
+
+    held: Held
     store: Store | None
-    labels: dict[str, str]
-    restore_enabled: bool
-    context_tenant: str | None
-    exact_upto: int
-    name: str
+    checkpoints: Checkpoints | None
+    """Set when this model's state is stored whole (`worker.checkpoints`), not cut into cells."""
     leases: Leases | None
     eval_rate: EvalRate
-    checkpoints: Checkpoints | None
+    labels: dict[str, str]
+    restore_enabled: bool
+    name: str
 
-    def forget_context(self) -> None:
-        raise NotImplementedError
+    @property
+    def llm(self) -> Llama:
+        return self.held.llm
 
-    def _prepare(self, ns: Namespace, tokens: list[int], keys: list[bytes]) -> Plan:
+    @property
+    def kv(self) -> ContextCache:
+        return self.held.kv
+
+    def prepare(self, ns: Namespace, tokens: list[int], keys: list[BlobKey]) -> Plan:
         """Bring the context to the deepest prefix available, locally or from the store.
 
         The last two prompt tokens are always evaluated, never kept (see `batch_sizes`): the
         first sampled token then comes out of the same kernels whatever was reused.
         """
         plan = Plan(store_status="ok" if self.store else "disabled")
-        n_local = self._local_prefix(ns, tokens)
+        n_local = self.held.local_prefix(ns.tenant_salt, tokens)
         plan.cached_context = min(n_local, keepable(tokens))
         if self.checkpoints is not None:
             self._restore_checkpoint(ns, tokens, keys, n_local, plan)
             return plan
-        hit = self._store_hit(ns, tokens, keys, plan)
+        hit = self.store_hit(ns, tokens, keys, plan)
         if hit is not None and min(hit.tokens, keepable(tokens)) > plan.cached_context:
             self._restore(ns, tokens, keys, n_local, hit, plan)
         return plan
 
-    def _coalesce(self, ns: Namespace, tokens: list[int], keys: list[bytes], plan: Plan) -> Plan:
+    def coalesce(self, ns: Namespace, tokens: list[int], keys: list[BlobKey], plan: Plan) -> Plan:
         """Lease the chunks this job will evaluate; where another worker is evaluating them, wait for its publish.
 
         The wait ends when the other worker's leases are gone (it published, or died and
@@ -124,7 +185,7 @@ class PrefixFinder:
         log.info("lease.waited", extra={"chunks": n, "outcome": outcome, "seconds": round(waited, 3)})
         timings = plan.timings
         if outcome == LeaseOutcome.RELEASED:
-            plan = self._prepare(ns, tokens, keys)
+            plan = self.prepare(ns, tokens, keys)
         plan.timings = {**timings, **plan.timings, "lease_wait": waited}
         try:
             plan.claim, _ = self.leases.claim(keys[plan.start // c :])
@@ -133,22 +194,7 @@ class PrefixFinder:
             plan.claim = None
         return plan
 
-    def _local_prefix(self, ns: Namespace, tokens: list[int]) -> int:
-        """How many leading prompt tokens the context holds exactly: same tenant, cells from prompt batches.
-
-        A hit across tenants would leak prompts through timing, so another tenant's context
-        is dropped. Cells of generated tokens are never reused (see `_publish`).
-        """
-        if self.context_tenant != ns.tenant_salt or not self.kv.prefix_reuse or self.exact_upto == 0:
-            self.forget_context()
-            return 0
-        held = self.llm.input_ids[: min(self.exact_upto, self.llm.n_tokens)]
-        upto = min(len(held), len(tokens))
-        diff = np.flatnonzero(held[:upto] != np.asarray(tokens[:upto]))
-        n = int(diff[0]) if diff.size else upto
-        return n if window_held(self.llm, self.kv, n) else 0
-
-    def _store_hit(self, ns: Namespace, tokens: list[int], keys: list[bytes], plan: Plan) -> Hit | None:
+    def store_hit(self, ns: Namespace, tokens: list[int], keys: list[BlobKey], plan: Plan) -> Hit | None:
         """How much of the prompt the store holds; None when it cannot help."""
         if self.store is None or len(tokens) < 3:
             return None
@@ -167,7 +213,7 @@ class PrefixFinder:
         plan.store_depth, plan.store_tokens = hit.depth, hit.tokens
         return hit
 
-    def _restore(self, ns: Namespace, tokens: list[int], keys: list[bytes], n_local: int, hit: Hit, plan: Plan) -> None:
+    def _restore(self, ns: Namespace, tokens: list[int], keys: list[BlobKey], n_local: int, hit: Hit, plan: Plan) -> None:
         """Fetch what the store adds past the local chunks, join it with them and restore the whole prefix."""
         c = ns.chunk_size
         local_chunks = n_local // c
@@ -196,17 +242,17 @@ class PrefixFinder:
         except (StateReadError, StateRestoreError, StateFormatError) as e:
             metrics.COLD_FALLBACKS.labels(**self.labels, reason="restore_failed").inc()
             log.error("restore.failed", extra={"reason": str(e), "chunks": local_chunks + len(remote)})
-            self.forget_context()
+            self.held.forget()
             plan.cached_context = 0
             return
         plan.timings["restore"] = time.perf_counter() - t2
-        self.context_tenant, self.exact_upto = ns.tenant_salt, n_restore
+        self.held.hold(ns.tenant_salt, n_restore)
         metrics.RESTORE_SECONDS.labels(**self.labels).observe(time.perf_counter() - t1)
         metrics.RESTORE_BYTES.labels(**self.labels).inc(sum(len(p) for p in remote))
         plan.cached_context = min(local_chunks * c, keepable(tokens))
         plan.cached_store = min(n_restore, keepable(tokens)) - plan.cached_context
 
-    def _restore_checkpoint(self, ns: Namespace, tokens: list[int], keys: list[bytes], n_local: int, plan: Plan) -> None:
+    def _restore_checkpoint(self, ns: Namespace, tokens: list[int], keys: list[BlobKey], n_local: int, plan: Plan) -> None:
         """For a memory stored whole (`store.checkpoints`): restore the deepest checkpoint the prompt continues, if it beats the context."""
         if self.store is None or self.checkpoints is None or len(tokens) < 3:
             return
@@ -241,11 +287,11 @@ class PrefixFinder:
         except StateRestoreError as e:
             metrics.COLD_FALLBACKS.labels(**self.labels, reason="restore_failed").inc()
             log.error("restore.failed", extra={"reason": str(e), "checkpoint": n})
-            self.forget_context()
+            self.held.forget()
             plan.cached_context = 0
             return
         plan.timings["restore"] = time.perf_counter() - t2
-        self.context_tenant, self.exact_upto = ns.tenant_salt, n
+        self.held.hold(ns.tenant_salt, n)
         metrics.RESTORE_SECONDS.labels(**self.labels).observe(time.perf_counter() - t1)
         metrics.RESTORE_BYTES.labels(**self.labels).inc(len(payload))
         plan.cached_context, plan.cached_store = 0, n

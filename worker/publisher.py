@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from store.chain import Namespace, tail_key
+from store.chain import BlobKey, Namespace, tail_key
 from store.checkpoints import Checkpoints
 from store.errors import StoreError
 from store.store import Store
@@ -41,6 +41,8 @@ class _Task:
 
     ns: Namespace
     tokens: list[int]
+    keys: list[BlobKey]
+    """The chain of ``tokens``, hashed once by the engine."""
     state: Buffer | None
     on_done: Callable[[], None] | None = None
     breakpoints: list[Breakpoint] = field(default_factory=list)
@@ -67,21 +69,22 @@ class Publisher:
         self,
         ns: Namespace,
         tokens: Sequence[int],
+        keys: list[BlobKey],
         state: Buffer | None,
         on_done: Callable[[], None] | None = None,
         breakpoints: Sequence[Breakpoint] = (),
         *,
         recycle: bool = False,
     ) -> bool:
-        """Queue the chunks of ``tokens`` (whose cells ``state`` holds) for publishing, then pin the breakpoints; False if dropped.
+        """Queue the chunks of ``tokens`` (chain ``keys``; cells in ``state``) for publishing, then pin the breakpoints; False if dropped.
 
         ``on_done`` runs once the task is over, whether it published, failed or was dropped.
         """
-        return self._put(_Task(ns, list(tokens), state, on_done, list(breakpoints), recycle=recycle))
+        return self._put(_Task(ns, list(tokens), keys, state, on_done, list(breakpoints), recycle=recycle))
 
-    def submit_checkpoints(self, ns: Namespace, tokens: Sequence[int], states: Mapping[int, Buffer]) -> bool:
+    def submit_checkpoints(self, ns: Namespace, tokens: Sequence[int], keys: list[BlobKey], states: Mapping[int, Buffer]) -> bool:
         """Queue whole-state checkpoints of ``tokens`` (tokens held -> state: on a boundary, or a tail) for publishing; False if dropped."""
-        return self._put(_Task(ns, list(tokens), None, checkpoints=states))
+        return self._put(_Task(ns, list(tokens), keys, None, checkpoints=states))
 
     def _put(self, task: _Task) -> bool:
         try:
@@ -143,10 +146,10 @@ class Publisher:
                     return
                 on_done = task.on_done
                 if task.checkpoints:
-                    self._publish_checkpoints(task.ns, task.tokens, task.checkpoints)
+                    self._publish_checkpoints(task.ns, task.tokens, task.keys, task.checkpoints)
                 if task.state is not None:
-                    self._publish(task.ns, task.tokens, task.state)
-                self._keep(task.ns, task.tokens, task.state, task.breakpoints)
+                    self._publish(task.ns, task.tokens, task.keys, task.state)
+                self._keep(task, task.breakpoints)
             except (StoreError, StateFormatError) as e:
                 metrics.PUBLISH_ERRORS.labels(**self.labels, reason=type(e).__name__).inc()
                 log.warning("publish.failed", extra={"error": type(e).__name__, "reason": str(e)})
@@ -160,34 +163,34 @@ class Publisher:
                     self._recycle(task.state)
                 self._tasks.task_done()
 
-    def lacks(self, ns: Namespace, tokens: Sequence[int], breakpoints: Sequence[Breakpoint]) -> bool:
+    def lacks(self, ns: Namespace, tokens: Sequence[int], keys: list[BlobKey], breakpoints: Sequence[Breakpoint]) -> bool:
         """Whether the store lacks part of a breakpoint's prefix (one round trip; an unreachable index counts as no)."""
         if not breakpoints:
             return False
         wanted: list[bytes] = []
         for b in breakpoints:
-            keys = ns.chain(tokens[: b.tokens])
-            end = len(keys) * ns.chunk_size
-            wanted += [*keys, *([tail_key(ns.parent_of(keys, len(keys)), tokens[end : b.tokens])] if end < b.tokens else [])]
+            head = keys[: b.tokens // ns.chunk_size]
+            end = len(head) * ns.chunk_size
+            wanted += [*head, *([tail_key(ns.parent_of(head, len(head)), tokens[end : b.tokens])] if end < b.tokens else [])]
         try:
             return not all(self.store.index.present(wanted))
         except StoreError:
             return False
 
-    def _keep(self, ns: Namespace, tokens: list[int], state: Buffer | None, breakpoints: list[Breakpoint]) -> None:
+    def _keep(self, task: _Task, breakpoints: list[Breakpoint]) -> None:
         """Publish each breakpoint's prefix (its tail, mostly: its chunks are the prompt's), then pin it."""
-        now = time.time()
+        now, c = time.time(), task.ns.chunk_size
         for b in breakpoints:
-            if state is not None and b.tokens < len(tokens):
-                self._publish(ns, tokens[: b.tokens], state)
-            self.store.pin(ns, tokens[: b.tokens], now + b.ttl_s)
+            tokens, keys = task.tokens[: b.tokens], task.keys[: b.tokens // c]
+            if task.state is not None and b.tokens < len(task.tokens):
+                self._publish(task.ns, tokens, keys, task.state)
+            self.store.pin(task.ns, tokens, now + b.ttl_s, keys=keys)
         if breakpoints:
             log.info("publish.pinned", extra={"breakpoints": [b.tokens for b in breakpoints]})
 
-    def _publish(self, ns: Namespace, tokens: list[int], state: Buffer, keys: list[bytes] | None = None) -> None:
+    def _publish(self, ns: Namespace, tokens: list[int], keys: list[BlobKey], state: Buffer) -> None:
         """One presence check, then the chunks and the tail the store lacks, written and indexed in one round trip (`Store.publish`)."""
         t0 = time.perf_counter()
-        keys = keys if keys is not None else ns.chain(tokens)
         end = len(keys) * ns.chunk_size
         tail = tail_key(ns.parent_of(keys, len(keys)), tokens[end:]) if end < len(tokens) else None
         present = self.store.index.present([*keys, *([tail] if tail else [])])
@@ -205,9 +208,9 @@ class Publisher:
         metrics.PUBLISH_BYTES.labels(**self.labels).inc(sent)
         log.info("publish.done", extra={"chunks": added, "from_chunk": first, "to_chunk": len(keys), "tail": tail_payload is not None})
 
-    def _publish_checkpoints(self, ns: Namespace, tokens: list[int], states: Mapping[int, Buffer]) -> None:
+    def _publish_checkpoints(self, ns: Namespace, tokens: list[int], keys: list[BlobKey], states: Mapping[int, Buffer]) -> None:
         t0 = time.perf_counter()
-        c, keys = ns.chunk_size, ns.chain(tokens)
+        c = ns.chunk_size
         boundaries = {end // c: bytes(st) for end, st in states.items() if end % c == 0}
         added = self.checkpoints.publish(ns, tokens, keys, boundaries)
         for end, st in states.items():

@@ -11,6 +11,7 @@ from store.chain import (
     Namespace,
     chain_keys,
     chunk_key,
+    extend_chain,
     namespace_key,
     token_bytes,
 )
@@ -114,3 +115,13 @@ def test_chain_keys_matches_stepwise_definition() -> None:
         parent = chunk_key(parent, tokens[i * 4 : (i + 1) * 4])
         expected.append(parent)
     assert chain_keys(NS.key, tokens, 4) == expected
+
+
+def test_a_chain_extends_from_the_keys_of_a_prefix_without_hashing_them_again() -> None:
+    tokens = list(range(1, 20))
+    whole = NS.chain(tokens)
+    for done in range(len(whole) + 1):
+        assert NS.extend(whole[:done], tokens) == whole
+    assert extend_chain(NS.key, [], tokens[:3], 4) == []
+    with pytest.raises(ValueError, match="chunks of keys"):
+        NS.extend(whole, tokens[:7])

@@ -19,6 +19,8 @@ import llama_cpp
 import numpy as np
 import pytest
 
+from store import chain
+from store.chain import prefix_chain
 from tests.helpers import prompt_text
 from worker.decoding import DecodeMode, choose_mode, decoded_logits
 from worker.engine import Engine
@@ -94,13 +96,39 @@ def _cells(llm: llama_cpp.Llama, n: int) -> bytes:
     return cut_cells(read_seq_state(llm), 0, n)
 
 
+def test_a_job_hashes_its_prompt_once_per_chain_and_the_advert_extends_what_it_learned(
+    engines: dict[str, Engine], prompt: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, real = engines["exact"], chain.chain_keys
+    spec = job_spec(prompt, model=engine.fingerprint, chunk_size=CHUNK, sampling=SamplingParams(max_tokens=24, temperature=0.0))
+    hashed: list[int] = []  # full chunks hashed by each call
+
+    def counting(root: bytes, tokens: list[int], chunk_size: int) -> list[bytes]:
+        hashed.append(len(tokens) // chunk_size)
+        return real(root, tokens, chunk_size)
+
+    monkeypatch.setattr(chain, "chain_keys", counting)
+    result = engine.run(spec, lambda _e: True)
+    engine.after_answer()
+    held = prompt + result.tokens
+    advertised = engine.held_keys()
+    n = len(prompt) // CHUNK
+    assert [h for h in hashed if h >= n] == [n, n], "the prompt's chunks are hashed once for the prefix chain, once for the blob chain"
+    assert sum(h for h in hashed if h < n) <= 2 * (len(held) // CHUNK - n), "past the prompt, only the answer's chunks are hashed"
+    monkeypatch.setattr(chain, "chain_keys", real)
+    assert advertised == prefix_chain(engine.fingerprint, CHUNK, "", held), "the advert lists the keys of every full chunk held"
+    before = len(hashed)
+    assert engine.held_keys() == advertised and len(hashed) == before, "the next advert hashes nothing"
+    engine.forget_context()
+
+
 def test_the_cells_of_an_answer_are_those_of_a_cold_evaluation_of_prompt_and_answer(engines: dict[str, Engine], prompt: list[int]) -> None:
     engine = engines["exact"]
     assert engine.identity()["decode"] in ("single", "pair")
     answer = _ask(engine, prompt)
     held = prompt + answer
     assert len(answer) == 24 and engine.llm.n_tokens == len(held), "the answer's last token is decoded once the answer is out"
-    assert engine.exact_upto == len(held), "the next turn may reuse every cell"
+    assert engine.held.exact_upto == len(held), "the next turn may reuse every cell"
     decoded = _cells(engine.llm, len(held))
     engine.forget_context()
     evaluate_prompt(engine.llm, held, 0)
@@ -136,7 +164,7 @@ def test_without_exact_decoding_the_completion_is_settled_at_idle_time_and_yield
     assert engine.identity()["decode"] == "settle"
     _ask(engine, prompt[:200])
     engine.settle(lambda: True)
-    assert engine.exact_upto == 200, "a job was waiting: the completion stays unsettled"
+    assert engine.held.exact_upto == 200, "a job was waiting: the completion stays unsettled"
     answer = _ask(engine, prompt[:200])
     engine.settle(lambda: False)
-    assert engine.exact_upto == 200 + len(answer)
+    assert engine.held.exact_upto == 200 + len(answer)

@@ -30,10 +30,10 @@ def test_a_full_queue_drops_new_tasks_and_says_so(store: Store) -> None:
 
     before = _dropped()
     try:
-        assert publisher.submit(NS, [1, 2, 3, 4], b"not a state", on_done=hold)
+        assert publisher.submit(NS, [1, 2, 3, 4], [], b"not a state", on_done=hold)
         assert running.wait(10)
-        assert publisher.submit(NS, [1, 2, 3, 4], b"not a state", on_done=lambda: done.append("second")), "one waits in the queue"
-        assert not publisher.submit(NS, [1, 2, 3, 4], b"not a state", on_done=lambda: done.append("dropped")), "the queue is full"
+        assert publisher.submit(NS, [1, 2, 3, 4], [], b"not a state", on_done=lambda: done.append("second")), "one waits in the queue"
+        assert not publisher.submit(NS, [1, 2, 3, 4], [], b"not a state", on_done=lambda: done.append("dropped")), "the queue is full"
         assert done == ["dropped"], "a dropped task's on_done runs at once (its leases are released)"
         assert _dropped() == before + 1
     finally:

@@ -32,6 +32,7 @@ from typing import Protocol
 import redis
 
 from gateway.pool.bench.workloads import Request
+from store.chain import BlobKey
 from store.fingerprint import fingerprint_file
 from store.index import RedisIndex
 from worker.client import events, submit
@@ -113,7 +114,7 @@ class PoolClient:
         self.flush_tokens = flush_tokens
         self.index = RedisIndex(conn)
 
-    def keys(self, tokens: list[int], tenant: str) -> list[bytes]:
+    def keys(self, tokens: list[int], tenant: str) -> list[BlobKey]:
         return namespace_for(self.settings, self.fingerprint, tenant).chain(tokens)
 
     def spec(self, tokens: list[int], tenant: str, max_tokens: int) -> JobSpec:
