@@ -62,20 +62,21 @@ def decode_step(llm: Llama, token: int, mode: DecodeMode) -> None:
         llm.eval([token])
 
 
-def complete_answer(llm: Llama, tokens: list[int], generated: list[int], mode: DecodeMode, n_ctx: int) -> list[int] | None:
-    """Prompt plus answer, once the context holds the cells of both: the answer's last token is decoded if it is not yet.
+def answer_held(llm: Llama, tokens: list[int], generated: list[int]) -> list[int] | None:
+    """Prompt plus answer as far as the context holds them: every token but the answer's last, or None.
 
-    Sampling stops before decoding the token it ends on (a length or stop-sequence
-    finish); one more step gives the next turn every token of this one. None when the
-    context holds something else, or the answer's last token no longer fits.
+    Sampling stops before decoding the token it ends on (an end of text, a length or a
+    stop-sequence finish). That token is not decoded after the answer either: one more
+    step costs 15-50 ms of the worker's time between two jobs, where the next job sits
+    waiting (measured at concurrency 1 on SmolLM2, `docs/bench/batched.md`), and whoever
+    continues the conversation evaluates it with the rest of the new turn, once. None when
+    the context holds something else.
     """
-    held = tokens + generated
     n = llm.n_tokens
-    if not generated or n < len(tokens) or llm.input_ids[:n].tolist() != held[:n]:
+    held = (tokens + generated)[:n]
+    if not generated or n < len(tokens) or n > len(tokens) + len(generated) or llm.input_ids[:n].tolist() != held:
         return None
-    if n == len(held) - 1 and n < n_ctx:
-        decode_step(llm, held[-1], mode)
-    return held if llm.n_tokens == len(held) else None
+    return held
 
 
 def decoded_logits(llm: Llama, prompt: list[int], answer: list[int], mode: DecodeMode | None) -> np.ndarray:

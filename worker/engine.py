@@ -44,7 +44,7 @@ from store.fingerprint import fingerprint_file
 from store.store import Store
 from worker import metrics
 from worker.checkpoints import checkpoint_stops, evaluate_saving
-from worker.decoding import DecodeMode, choose_mode, complete_answer, decode_step
+from worker.decoding import DecodeMode, answer_held, choose_mode, decode_step
 from worker.errors import JobRejected
 from worker.kvstate import Buffer
 from worker.leases import EvalRate, Leases
@@ -346,17 +346,19 @@ class Engine:
     def after_answer(self) -> None:
         """Once the job's last event is out: publish what the next request may resume from.
 
-        With exact decoding that is prompt plus answer (`_complete_answer`): the next turn of
-        a chat resumes after the answer on any worker. Otherwise it is the prompt's tail that
+        With exact decoding that is prompt plus answer as the context holds them
+        (`worker.decoding.answer_held`: all but the answer's last token, never decoded): the
+        next turn of a chat resumes there on any worker. Otherwise it is the prompt's tail that
         `_publish_or_defer` left; the context still holds the prompt's cells (generation only
         appends after them), and only the prompt's cells are cut from the copy.
         """
         deferred, self._deferred = self._deferred, None
         if self.decode.exact and self._pending is not None:
             (ns, tokens, keys, generated), self._pending = self._pending, None
-            held = self._complete_answer(tokens, generated)
+            held = answer_held(self.llm, tokens, generated)
             self._done_generating()
             if held is not None:
+                self.held.exact_upto = len(held)
                 deferred = (ns, held, ns.extend(keys, held)) if self.publishes_cells else None
         if deferred is None or self.publisher is None:
             return
@@ -368,18 +370,6 @@ class Engine:
         """A sequence of a shared context: the batcher need not wait for its next step."""
         if isinstance(self.llm, SeqView):
             self.llm.done_generating()
-
-    def _complete_answer(self, tokens: list[int], generated: list[int]) -> list[int] | None:
-        """Prompt plus answer once the context holds both exactly (`worker.decoding.complete_answer`), else None."""
-        try:
-            held = complete_answer(self.llm, tokens, generated, self.decode, self.settings.n_ctx)
-        except Exception:  # the answer is already out: never fail the job for this
-            log.exception("answer.decode_failed")
-            self.forget_context()
-            return None
-        if held is not None:
-            self.held.exact_upto = len(held)
-        return held
 
     def _snapshot(self) -> Buffer | None:
         """A copy of the sequence state for publishing, into one of the publisher's buffers, or None: publishing never fails a job."""

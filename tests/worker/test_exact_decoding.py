@@ -126,8 +126,10 @@ def test_the_cells_of_an_answer_are_those_of_a_cold_evaluation_of_prompt_and_ans
     engine = engines["exact"]
     assert engine.identity()["decode"] in ("single", "pair")
     answer = _ask(engine, prompt)
-    held = prompt + answer
-    assert len(answer) == 24 and engine.llm.n_tokens == len(held), "the answer's last token is decoded once the answer is out"
+    held = prompt + answer[:-1]
+    assert len(answer) == 24 and engine.llm.n_tokens == len(held), (
+        "every token of the answer is decoded but its last, which was only sampled"
+    )
     assert engine.held.exact_upto == len(held), "the next turn may reuse every cell"
     decoded = _cells(engine.llm, len(held))
     engine.forget_context()
@@ -136,7 +138,7 @@ def test_the_cells_of_an_answer_are_those_of_a_cold_evaluation_of_prompt_and_ans
     engine.forget_context()
 
 
-def test_the_next_turn_evaluates_no_generated_token_again(engines: dict[str, Engine], prompt: list[int]) -> None:
+def test_the_next_turn_evaluates_no_generated_token_twice(engines: dict[str, Engine], prompt: list[int]) -> None:
     engine = engines["exact"]
     engine.forget_context()
     answer = _ask(engine, prompt)
@@ -150,8 +152,8 @@ def test_the_next_turn_evaluates_no_generated_token_again(engines: dict[str, Eng
         return True
 
     result = engine.run(spec, emit)
-    assert result.usage.cached_from_context == len(prompt) + len(answer)
-    assert result.usage.evaluated_tokens == 20
+    assert result.usage.cached_from_context == len(prompt) + len(answer) - 1, "every decoded token of the answer is reused"
+    assert result.usage.evaluated_tokens == 1 + 20, "the answer's last token, sampled but never decoded, is evaluated once, with the turn"
     engine.forget_context()
     cold_first = decoded_logits(engine.llm, turn, [], None)
     assert np.array_equal(first_logits[0], cold_first), "the resumed turn's first token came from other logits than cold"
