@@ -12,8 +12,9 @@ tokens. Three ways to decode, chosen at start-up by measuring them on the loaded
 (`choose_mode`):
 
 * `DecodeMode.SINGLE`: one token per step. Exact where one-token batches use the same
-  kernels as larger ones (a build with ``GGML_LLAMAFILE=OFF``, or kvpool's build, which
-  lets sgemm take single rows too: ``deploy/setup.sh``).
+  kernels as larger ones: a build with ``GGML_LLAMAFILE=OFF``, or one whose sgemm takes
+  single rows too (both measured in `docs/bench/exact-decoding.md`; ``deploy/setup.sh``
+  builds neither yet: its default wheel gets `PAIR`).
 * `DecodeMode.PAIR`: each step drops the previous token's cell and decodes that token
   again together with the new one, a two-token batch, so every cell comes from the
   batched kernels: exact wherever prompt batches are, at the price of a second token
@@ -25,8 +26,9 @@ tokens. Three ways to decode, chosen at start-up by measuring them on the loaded
 
 In the exact modes the answer itself is what a cold evaluation of the prompt plus the
 tokens so far gives at every step, so it is the same bits on every exact worker of a
-kernel fingerprint, and the context holds the cold cells of prompt and answer: the next
-turn of a chat resumes to the token, here or, published, anywhere.
+kernel fingerprint, and the context holds the cold cells of the prompt and of every
+answer token but the last (sampled, never decoded: `answer_held`): the next turn of a
+chat resumes there, here or, published, anywhere.
 """
 
 from __future__ import annotations
@@ -66,15 +68,15 @@ def answer_held(llm: Llama, tokens: list[int], generated: list[int]) -> list[int
     """Prompt plus answer as far as the context holds them: every token but the answer's last, or None.
 
     Sampling stops before decoding the token it ends on (an end of text, a length or a
-    stop-sequence finish). That token is not decoded after the answer either: one more
-    step costs 15-50 ms of the worker's time between two jobs, where the next job sits
-    waiting (measured at concurrency 1 on SmolLM2, `docs/bench/batched.md`), and whoever
-    continues the conversation evaluates it with the rest of the new turn, once. None when
-    the context holds something else.
+    stop-sequence finish). That token is not decoded after the answer either: that step
+    took 40-85 ms of the worker's time between two jobs at concurrency 1 on SmolLM2
+    (`docs/bench/exact-decoding.md`), while the next job waited, and whoever continues the
+    conversation evaluates it with the rest of the new turn, once. None when the context
+    holds something else.
     """
     n = llm.n_tokens
     held = (tokens + generated)[:n]
-    if not generated or n < len(tokens) or n > len(tokens) + len(generated) or llm.input_ids[:n].tolist() != held:
+    if not generated or n < len(tokens) or llm.input_ids[:n].tolist() != held:
         return None
     return held
 

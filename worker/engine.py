@@ -358,7 +358,6 @@ class Engine:
             held = answer_held(self.llm, tokens, generated)
             self._done_generating()
             if held is not None:
-                self.held.exact_upto = len(held)
                 deferred = (ns, held, ns.extend(keys, held)) if self.publishes_cells else None
         if deferred is None or self.publisher is None:
             return

@@ -31,7 +31,7 @@ from store.chain import BlobKey, Namespace, PrefixKey, extend_chain, prefix_name
 from store.checkpoints import Checkpoints
 from store.errors import StoreError, StoreUnavailable
 from store.store import Fetched, Store
-from store.tails import Hit
+from store.tails import Hit, common_prefix
 from worker import metrics
 from worker.checkpoints import restore_checkpoint
 from worker.kvchunks import cut_state, head_cells, join_state
@@ -94,11 +94,7 @@ class Held:
             return []
         held = np.asarray(self.llm.input_ids[: min(self.exact_upto, self.llm.n_tokens)], dtype=np.int32)
         tenant, tokens, keys = self._known
-        same = 0
-        if tenant == self.tenant:
-            upto = min(len(tokens), len(held), len(keys) * chunk_size)
-            diff = np.flatnonzero(tokens[:upto] != held[:upto])
-            same = (int(diff[0]) if diff.size else upto) // chunk_size
+        same = min(common_prefix(tokens, held), len(keys) * chunk_size) // chunk_size if tenant == self.tenant else 0
         root = prefix_namespace(fingerprint, chunk_size, self.tenant).key
         out: list[PrefixKey] = extend_chain(root, keys[:same], held, chunk_size)  # type: ignore[assignment]
         self._known = (self.tenant, held.copy(), out)
@@ -109,10 +105,7 @@ class Held:
         if self.tenant != tenant or not self.kv.prefix_reuse or self.exact_upto == 0:
             self.forget()
             return 0
-        held = self.llm.input_ids[: min(self.exact_upto, self.llm.n_tokens)]
-        upto = min(len(held), len(tokens))
-        diff = np.flatnonzero(held[:upto] != np.asarray(tokens[:upto]))
-        n = int(diff[0]) if diff.size else upto
+        n = common_prefix(self.llm.input_ids[: min(self.exact_upto, self.llm.n_tokens)], tokens)
         return n if window_held(self.llm, self.kv, n) else 0
 
 
