@@ -15,7 +15,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v nvcc >/dev/null || { echo "nvcc not found: install the CUDA toolkit (or put it on PATH)" >&2; exit 1; }
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-VERSION=$(sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
 VENV=${KVPOOL_CUDA_VENV:-.kvpool/venv-cuda}
 WHEELS=.kvpool/wheels-cuda
 PY=${PYTHON:-python3}
@@ -24,11 +23,9 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/pip" install --quiet --upgrade pip
-if ! ls "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl >/dev/null 2>&1; then
-    mkdir -p "$WHEELS"
-    CMAKE_ARGS="-DGGML_CUDA=on" "$VENV/bin/pip" wheel --no-cache-dir --no-deps -w "$WHEELS" "llama-cpp-python==$VERSION"
-fi
-"$VENV/bin/pip" install --quiet "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl
+# The same recipe as setup.sh's (deploy/patches/ applied) with CUDA on: deploy/llama-wheel.sh
+WHEEL=$(CMAKE_ARGS="-DGGML_CUDA=on" PYTHON="$VENV/bin/python" bash deploy/llama-wheel.sh "$WHEELS")
+"$VENV/bin/pip" install --quiet --force-reinstall --no-deps "$WHEEL"
 "$VENV/bin/pip" install --quiet -e ".[bench]"  # llama-cpp-python is satisfied by the CUDA wheel above
 "$VENV/bin/python" -c "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
 

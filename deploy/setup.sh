@@ -6,8 +6,9 @@
 #   bash deploy/setup.sh install   # install only (and fetch the default model)
 #
 # Idempotent: a second run reuses the virtualenv (.kvpool/venv) and the llama-cpp-python
-# wheel built once into .kvpool/wheels (compiling llama.cpp takes minutes on 2 cores).
-# The wheel is also kept in ~/.cache/kvpool/wheels (KVPOOL_WHEEL_CACHE) for other clones.
+# wheel built once into .kvpool/wheels (compiling llama.cpp takes minutes on 2 cores), with
+# the patches in deploy/patches/ applied (deploy/llama-wheel.sh). The wheel is also kept in
+# ~/.cache/kvpool/wheels (KVPOOL_WHEEL_CACHE) for other clones.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -15,7 +16,6 @@ STATE=.kvpool
 VENV=$STATE/venv
 WHEELS=$STATE/wheels
 SHARED_WHEELS=${KVPOOL_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvpool/wheels}
-LLAMA_CPP_VERSION=$(sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
 PY=${PYTHON:-python3}
 
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
@@ -56,27 +56,19 @@ require_kubectl() {
 install_python_packages() {
     [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PY" -m venv "$VENV"; }
     local stamp="$STATE/installed.stamp" want
-    want=$(cat pyproject.toml "$0" | sha256sum | cut -c1-16)
+    want=$({ cat pyproject.toml "$0" deploy/llama-wheel.sh deploy/patches/*.patch; echo "${CMAKE_ARGS:-}"; } | sha256sum | cut -c1-16)
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c 'import llama_cpp' 2>/dev/null; then
         return
     fi
     "$VENV/bin/pip" install -q --upgrade pip wheel
-    mkdir -p "$WHEELS"
-    local wheel="llama_cpp_python-$LLAMA_CPP_VERSION-*.whl"
-    # shellcheck disable=SC2086
-    if ! ls "$WHEELS"/$wheel >/dev/null 2>&1; then
-        if ls "$SHARED_WHEELS"/$wheel >/dev/null 2>&1; then
-            cp "$SHARED_WHEELS"/$wheel "$WHEELS"/
-        else
-            say "building llama-cpp-python $LLAMA_CPP_VERSION (compiles llama.cpp once; a few minutes)"
-            CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF}" \
-            CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-                "$VENV/bin/pip" wheel -q --no-deps -w "$WHEELS" "llama-cpp-python==$LLAMA_CPP_VERSION"
-            mkdir -p "$SHARED_WHEELS" && cp "$WHEELS"/$wheel "$SHARED_WHEELS"/ || true
-        fi
-    fi
-    say "installing kvpool and its dependencies into $VENV"
-    "$VENV/bin/pip" install -q --find-links "$WHEELS" -e ".[test,bench]"
+    # The wheel of this recipe (version, deploy/patches/, CMAKE_ARGS), built once: deploy/llama-wheel.sh
+    local wheel
+    wheel=$(CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF}" \
+        PYTHON="$VENV/bin/python" bash deploy/llama-wheel.sh "$WHEELS" "$SHARED_WHEELS")
+    say "installing $wheel and kvpool with its dependencies into $VENV"
+    # --force-reinstall: a wheel of another recipe has the same version number
+    "$VENV/bin/pip" install -q --force-reinstall --no-deps "$wheel"
+    "$VENV/bin/pip" install -q --find-links "$(dirname "$wheel")" -e ".[test,bench]"
     echo "$want" >"$stamp"
 }
 

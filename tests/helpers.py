@@ -9,7 +9,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -319,3 +319,11 @@ def counter(url: str, name: str, **labels: str) -> float:
             if sample.name == name and sample.labels == labels:
                 return sample.value
     return 0.0
+
+
+def poll(done: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Wait until ``done()`` (background work: a writer thread, a worker process), failing with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)

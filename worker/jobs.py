@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 from pydantic import BaseModel, ValidationError
 from rq import Queue, get_current_job
+from rq.job import Job
 
 from worker import metrics
 from worker.advert import adverts
@@ -47,11 +48,15 @@ def bind(engine: Engine | None) -> None:
 class JobStream:
     """Writes a job's events to its Redis stream; every write also reports whether the client cancelled.
 
-    Token events that come less than ``interval_s`` after the last written token are held
-    and written with the next event that is due, in one transaction: a fast decode then
-    costs Redis and the gateway one wake-up per interval instead of one per token (both
-    share the cores the model computes on). The first token, and every event that is not
-    a token, is written at once.
+    Token events are written by a thread of the stream's own, so the thread that decodes
+    never waits for Redis: the writer writes what it holds at most once per
+    ``interval_s`` (the first token at once), in one transaction, so a fast decode costs
+    Redis and the gateway one wake-up per interval instead of one per token (both share
+    the cores the model computes on). Every other event (start, done, error) is written
+    by the caller, after every token sent before it, and `send` returns once it is in
+    Redis: a job's outcome is in its stream before RQ hears of it. A token write that
+    fails for good (Redis away longer than the outage allows) fails the next `send`.
+    Whether the client cancelled is what the latest write found; `close` ends the writer.
     """
 
     def __init__(self, conn: redis.Redis, job_id: str, ttl_s: int, interval_s: float = 0.0) -> None:
@@ -61,33 +66,78 @@ class JobStream:
         self.ttl_s = ttl_s
         self.interval_s = interval_s
         self._held: list[str] = []
-        self._token_written_at = float("-inf")
+        self._wake = threading.Condition()
+        self._writing = threading.Lock()
+        """Held while events leave ``_held`` and are written: they reach Redis in the order sent."""
+        self._writer: threading.Thread | None = None
+        self._closed = False
+        self._failed: Exception | None = None
         self._cancelled = False
+        self._outage_s = 10.0
 
     def send(self, event: BaseModel, outage_s: float = 10.0) -> bool:
-        """Append ``event`` (or hold it, if it is a token and one was written within the interval); False once cancelled."""
-        self._held.append(event.model_dump_json(exclude_none=True))
-        if isinstance(event, TokenEvent):
-            now = time.monotonic()
-            if now - self._token_written_at < self.interval_s:
-                return not self._cancelled
-            self._token_written_at = now
-        return self.flush(outage_s)
+        """Append ``event`` (a token through the writer, anything else at once); False once cancelled.
 
-    def flush(self, outage_s: float = 10.0) -> bool:
-        """Write every held event; rides out a Redis restart of up to ``outage_s`` seconds (`worker.redis_retry`)."""
+        Rides out a Redis restart of up to ``outage_s`` seconds (`worker.redis_retry`).
+        """
+        line = event.model_dump_json(exclude_none=True)
+        if isinstance(event, TokenEvent):
+            if self._failed is not None:
+                raise self._failed
+            with self._wake:
+                self._held.append(line)
+                self._outage_s = outage_s
+                if self._writer is None:
+                    self._writer = threading.Thread(target=self._write_tokens, name=f"kvpool-{self.key}", daemon=True)
+                    self._writer.start()
+                self._wake.notify()
+            return not self._cancelled
+        with self._writing:
+            with self._wake:
+                self._held.append(line)
+            return self._write(outage_s)
+
+    def close(self) -> None:
+        """End the writer (tokens it still holds were written by the last event, or are of a cancelled job)."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+
+    def _write(self, outage_s: float) -> bool:
+        """Write every held event in one transaction; the caller holds ``_writing``."""
+        with self._wake:
+            lines, self._held = self._held, []
+        if not lines:
+            return not self._cancelled
 
         def write() -> list[Any]:
             pipe = self.conn.pipeline(transaction=True)
-            for e in self._held:
+            for e in lines:
                 pipe.xadd(self.key, {"e": e}, maxlen=STREAM_MAXLEN, approximate=True)
             pipe.expire(self.key, self.ttl_s)
             pipe.exists(self.cancel)
             return pipe.execute()
 
         self._cancelled = bool(ride_out(write, outage_s, what="job_stream", cap_s=STREAM_BACKOFF_CAP_S, give_up=STOPPING.is_set)[-1])
-        self._held.clear()
         return not self._cancelled
+
+    def _write_tokens(self) -> None:
+        """The writer thread: held tokens, at most once per interval, until `close`."""
+        written_at = float("-inf")
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: bool(self._held) or self._closed)
+                due = written_at + self.interval_s
+                self._wake.wait_for(lambda due=due: self._closed or time.monotonic() >= due, timeout=max(0.0, due - time.monotonic()))
+                if self._closed:
+                    return
+            written_at = time.monotonic()
+            with self._writing:
+                try:
+                    self._write(self._outage_s)
+                except Exception as e:  # Redis away for good: the job's next send raises it
+                    self._failed = e
+                    return
 
 
 def run_job(spec: dict) -> dict:
@@ -99,6 +149,13 @@ def run_job(spec: dict) -> dict:
     stream = JobStream(job.connection, job.id, engine.settings.stream_ttl_s, engine.settings.stream_interval_ms / 1000)
     attempt = engine.settings.job_attempts - (job.retries_left or 0)
     stream.send(StartEvent(attempt=attempt, worker=engine.name))
+    try:
+        return _answer(job, engine, spec, stream)
+    finally:
+        stream.close()
+
+
+def _answer(job: Job, engine: Engine, spec: dict, stream: JobStream) -> dict:
     labels = engine.labels
     try:
         parsed = JobSpec.model_validate(spec)

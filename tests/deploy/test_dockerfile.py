@@ -76,9 +76,11 @@ def test_llama_cpp_python_is_portable(instructions: list[df.Instruction]) -> Non
     assert "-DGGML_NATIVE=OFF" in flags, "without GGML_NATIVE=OFF the image only runs on CPUs like the build machine's"
     for off in ("LLAVA_BUILD", "LLAMA_BUILD_TESTS", "LLAMA_BUILD_EXAMPLES", "LLAMA_BUILD_TOOLS", "LLAMA_BUILD_SERVER"):
         assert f"-D{off}=OFF" in flags
-    build = [i for i in instructions if i.cmd == "RUN" and "llama-cpp-python==" in i.args]
-    assert build and "CMAKE_ARGS" in build[0].args
-    assert "--no-cache-dir" in build[0].args, "pip's wheel cache ignores CMAKE_ARGS: a changed flag would reuse an old build"
+    build = [i for i in instructions if i.cmd == "RUN" and "deploy/llama-wheel.sh" in i.args]
+    assert build, "the image does not build llama-cpp-python with deploy/llama-wheel.sh (the patched build setup.sh installs)"
+    assert "CMAKE_ARGS" in build[0].args and "LLAMA_CPP_PYTHON_VERSION" in build[0].args
+    script = (df.DEPLOY / "llama-wheel.sh").read_text()
+    assert "--no-cache-dir" in script, "pip's wheel cache ignores CMAKE_ARGS: a changed flag would reuse an old build"
 
 
 def test_runtime_has_the_shared_libraries_of_llama_cpp(instructions: list[df.Instruction]) -> None:
@@ -155,7 +157,7 @@ def test_dockerignore_keeps_local_state_out() -> None:
     patterns = df.dockerignore_patterns()
     for path in (".git", ".kvpool/venv/bin/python", ".kvpool/wheels/x.whl", "deploy/.env", "tests/conftest.py", "store/__pycache__/x.pyc"):
         assert df.dockerignored(path, patterns), f".dockerignore lets {path} into the build context"
-    for path in ("pyproject.toml", "README.md", "store/store.py", "gateway/app.py", "worker/process.py"):
+    for path in ("pyproject.toml", "README.md", "store/store.py", "gateway/app.py", "worker/process.py", "deploy/patches/x.patch"):
         assert not df.dockerignored(path, patterns), f".dockerignore excludes {path}"
 
 

@@ -8,7 +8,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import anyio
 import httpx
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from rq.job import Job
 
 from gateway.pool.procs import GatewayProcess, WorkerProcess
-from tests.helpers import MODEL, openai_client, private_pool, prompt_text
+from tests.helpers import MODEL, openai_client, poll, private_pool, prompt_text
 from worker.advert import adverts
 
 CHAT = "/v1/chat/completions"
@@ -232,13 +232,6 @@ def test_backpressure_answers_503_with_retry_after(start_worker, start_gateway, 
 
 def _waiting_jobs(conn: redis.Redis) -> int:
     return sum(conn.llen(k) for k in conn.scan_iter("rq:queue:*"))
-
-
-def poll(done: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def test_admission_is_atomic_under_a_burst(start_worker, start_gateway, redis_url) -> None:

@@ -9,8 +9,7 @@ bounded reconciliation fixes entries that nobody looks up.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ from store.chain import CacheFormat, Namespace
 from store.errors import StoreUnavailable
 from store.index import RedisIndex
 from store.store import Store
-from tests.helpers import s3_settings, stored_depth
+from tests.helpers import poll, s3_settings, stored_depth
 
 NS = Namespace("fp", CacheFormat.of("f16", "f16", False), chunk_size=8)
 
@@ -58,13 +57,6 @@ def bucket_bytes(store: Store) -> int:
 
 def gauge(name: str) -> float:
     return REGISTRY.get_sample_value(name) or 0.0
-
-
-def poll(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 @pytest.fixture

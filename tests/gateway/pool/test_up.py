@@ -8,14 +8,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import openai
 
 from gateway.pool.procs import free_port
-from tests.helpers import s3_client, s3_settings
+from tests.helpers import poll, s3_client, s3_settings
 from tests.terminal import Terminal
 
 KVPOOL = str(Path(sys.executable).parent / "kvpool")
@@ -163,10 +162,3 @@ def test_ctrl_c_in_a_terminal_then_up_again_answers_at_once(tmp_path: Path) -> N
     finally:
         second.close()
     assert processes_of(state) == []
-
-
-def poll(done: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
