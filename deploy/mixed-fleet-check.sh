@@ -29,7 +29,6 @@ VENV=$STATE/venv
 NAME=${MIXED_FLEET_NAME:-avx2}
 WHEELS=${MIXED_FLEET_WHEELS:-$STATE/wheels-$NAME}
 VENV_B=${MIXED_FLEET_VENV:-$STATE/venv-$NAME}
-LLAMA_CPP_VERSION=$(sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
 NO_EXTRAS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
 AVX2_ONLY="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF"
 CMAKE_ARGS_B="${MIXED_FLEET_CMAKE_ARGS:-$AVX2_ONLY} $NO_EXTRAS"
@@ -39,31 +38,27 @@ say() { printf '\033[1m[mixed-fleet]\033[0m %s\n' "$*" >&2; }
 [ -x "$VENV/bin/python" ] || { say "no $VENV: run 'bash deploy/setup.sh install' first"; exit 1; }
 command -v redis-server >/dev/null || { say "redis-server is not installed ('bash deploy/setup.sh install' installs it)"; exit 1; }
 
-wheel_b() {
-    ls "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl 2>/dev/null | head -n 1
-}
-
+WHEEL_B=
 build_wheel_b() {
-    [ -n "$(wheel_b)" ] && return
-    mkdir -p "$WHEELS"
-    say "building llama-cpp-python $LLAMA_CPP_VERSION with CMAKE_ARGS='$CMAKE_ARGS_B' into $WHEELS (compiles llama.cpp: minutes)"
-    # --no-cache-dir: pip's wheel cache holds the default build of the same version, which it would hand back.
-    CMAKE_ARGS="$CMAKE_ARGS_B" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-        "$VENV/bin/pip" wheel -q --no-cache-dir --no-deps -w "$WHEELS" "llama-cpp-python==$LLAMA_CPP_VERSION"
-    [ -n "$(wheel_b)" ] || { say "the build left no wheel in $WHEELS"; exit 1; }
+    # The same recipe as setup.sh's (deploy/patches/ applied) with the second build's flags: deploy/llama-wheel.sh
+    say "llama-cpp-python with CMAKE_ARGS='$CMAKE_ARGS_B' in $WHEELS (built once: llama.cpp compiles for minutes)"
+    WHEEL_B=$(CMAKE_ARGS="$CMAKE_ARGS_B" PYTHON="$VENV/bin/python" bash deploy/llama-wheel.sh "$WHEELS")
+    [ -n "$WHEEL_B" ] || { say "the build left no wheel in $WHEELS"; exit 1; }
 }
 
 make_venv_b() {
     local wheel site_a site_b
-    wheel=$(wheel_b)
+    wheel=$WHEEL_B
     [ -x "$VENV_B/bin/python" ] || { say "creating $VENV_B"; "$VENV/bin/python" -m venv "$VENV_B"; }
     site_a=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     site_b=$("$VENV_B/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     # The first virtualenv's packages, after this one's own: its llama_cpp is shadowed by the second build's.
     echo "import site; site.addsitedir('$(cd "$site_a" && pwd)')" >"$site_b/kvpool-base-venv.pth"
-    if [ "$("$VENV_B/bin/python" -c 'import llama_cpp, os, sysconfig; r = os.path.realpath; print(r(llama_cpp.__file__).startswith(r(sysconfig.get_paths()["purelib"])))')" != True ]; then
-        say "installing $(basename "$wheel") into $VENV_B"
+    # The wheel installed is recorded: another recipe (a patch, a flag) has the same version number.
+    if [ "$(cat "$VENV_B/kvpool-wheel" 2>/dev/null)" != "$wheel" ]; then
+        say "installing $wheel into $VENV_B"
         "$VENV_B/bin/python" -m pip install -q --no-deps --force-reinstall "$wheel"
+        echo "$wheel" >"$VENV_B/kvpool-wheel"
     fi
 }
 
