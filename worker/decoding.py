@@ -13,8 +13,8 @@ tokens. Three ways to decode, chosen at start-up by measuring them on the loaded
 
 * `DecodeMode.SINGLE`: one token per step. Exact where one-token batches use the same
   kernels as larger ones: a build with ``GGML_LLAMAFILE=OFF``, or one whose sgemm takes
-  single rows too, which ``deploy/setup.sh`` builds (``deploy/patches/``; the builds are
-  measured in `docs/bench/exact-decoding.md`). llama-cpp-python's stock wheel gets `PAIR`.
+  single rows of float matrices too, which ``deploy/setup.sh`` builds (``deploy/patches/``;
+  the builds are measured in `docs/bench/exact-decoding.md`). llama-cpp-python's stock wheel gets `PAIR`.
 * `DecodeMode.PAIR`: each step drops the previous token's cell and decodes that token
   again together with the new one, a two-token batch, so every cell comes from the
   batched kernels: exact wherever prompt batches are, at the price of a second token
