@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -35,11 +36,47 @@ S3_SECRET_KEY = "kvpool-local-secret"
 """Credentials of the local S3 endpoint (moto accepts any; these are what kvpool hands it)."""
 
 
+LISTEN_PORTS = (20000, 32768)
+"""Where `free_port` looks: below Linux's default ephemeral range (32768-60999), which outgoing connections draw from."""
+
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
+    """A local port nothing listens on now, for a process about to listen on it.
+
+    A port the kernel hands out for ``bind(0)`` comes from the ephemeral range, from which
+    every outgoing connection (a worker's Redis and S3 clients) also takes its local port:
+    one could take it between this check and the listener's bind ("address already in
+    use"). So the port is drawn from below that range, and never twice in one process.
+    """
+    low, high = _listen_range()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(low, high)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
         return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # every draw was taken: any free port
+        s.bind(("127.0.0.1", 0))
+        found: int = s.getsockname()[1]
+        return found
+
+
+def _listen_range() -> tuple[int, int]:
+    """`LISTEN_PORTS`, ending where the kernel's ephemeral range starts if that is lower."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = LISTEN_PORTS[1]
+    low, high = LISTEN_PORTS[0], min(LISTEN_PORTS[1], ephemeral_low)
+    return (low, high) if high - low >= 1000 else (1024, 65536)
 
 
 def stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float = 10.0) -> int | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import httpx
@@ -53,3 +54,14 @@ def test_the_peers_kvpool_pool_neither_reads_nor_changes_the_environment(
         assert dict(os.environ) == before
         assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200
     assert dict(os.environ) == before
+
+
+def test_free_ports_are_below_the_ephemeral_range_and_never_given_twice() -> None:
+    """Outgoing connections take their local ports from the ephemeral range: a port handed out for a listener is not there."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= p < low for p in ports), ports
+    for p in ports:  # nothing listens there
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))
