@@ -73,6 +73,7 @@ class Outcome:
     job: str | None = None
     worker: str | None = None
     attempts: int = 1
+    text: str | None = None
 
 
 @dataclass
@@ -191,7 +192,8 @@ def _client(pool: Pool, bodies: list[dict], refs: list[str], seed: int, stop: th
         if kind == "answer" and answer is not None:
             kind = "ok" if answer["text"] == refs[n] else "wrong"
             job, worker = (answer["id"] or "").partition("-")[2] or None, answer["worker"]
-        out.append(Outcome(n, stream, t0, time.monotonic(), kind, job, worker, attempts))
+        text = answer["text"] if kind == "wrong" and answer is not None else None
+        out.append(Outcome(n, stream, t0, time.monotonic(), kind, job, worker, attempts, text))
         i += CLIENTS
 
 
@@ -352,7 +354,12 @@ def test_faults_under_load_lose_nothing_and_answer_right(pool: Pool, smollm2: Pa
     print(f"first answer {warm_up:.2f} s; recovery (s): " + ", ".join(f"{k} {v:.2f}" for k, v in recovery.items()))
     print(f"SIGTERM with Redis away: exit {sigterm_rc} after {sigterm_s:.2f} s; index healed {healed_s:.2f} s after S3 came back empty")
     print(f"bytes by kernels: {kernels}")
-    assert kinds["wrong"] == 0 and kinds["hung"] == 0
+    wrong = [
+        f"prompt {o.prompt} stream={o.stream} worker={o.worker} job={o.job}: {o.text!r} != {refs[o.prompt]!r}"
+        for o in out
+        if o.kind == "wrong"
+    ]
+    assert kinds["wrong"] == 0 and kinds["hung"] == 0, "\n".join(wrong)
     assert set(kinds) == {"ok"}, f"not answered: {dict(kinds)}"
     assert not twice, f"jobs that answered no request: {sorted(twice)}"
     assert len({o.job for o in answered}) == len(answered), "two requests answered by one job"

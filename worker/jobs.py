@@ -98,10 +98,17 @@ class JobStream:
             return self._write(outage_s)
 
     def close(self) -> None:
-        """End the writer (tokens it still holds were written by the last event, or are of a cancelled job)."""
+        """End the writer; once this returns, nothing of this attempt reaches the stream.
+
+        A write in flight (riding out a Redis restart) finishes first: were it to land after
+        a retried attempt's start, its tokens would count as the new attempt's. Tokens still
+        held were written by the last event, or are of a cancelled or failed attempt.
+        """
         with self._wake:
             self._closed = True
             self._wake.notify()
+        with self._writing, self._wake:
+            self._held.clear()
 
     def _write(self, outage_s: float) -> bool:
         """Write every held event in one transaction; the caller holds ``_writing``."""
@@ -118,7 +125,13 @@ class JobStream:
             pipe.exists(self.cancel)
             return pipe.execute()
 
-        self._cancelled = bool(ride_out(write, outage_s, what="job_stream", cap_s=STREAM_BACKOFF_CAP_S, give_up=STOPPING.is_set)[-1])
+        try:
+            done = ride_out(write, outage_s, what="job_stream", cap_s=STREAM_BACKOFF_CAP_S, give_up=STOPPING.is_set)
+        except Exception:
+            with self._wake:  # not written: they go out with the next write (the job's error), in order
+                self._held[:0] = lines
+            raise
+        self._cancelled = bool(done[-1])
         return not self._cancelled
 
     def _write_tokens(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import redis
 
@@ -96,3 +97,21 @@ def test_a_cancel_is_seen_at_the_next_write(redis_url: str) -> None:
     stream.send(TokenEvent(text="b", token=2))
     poll(lambda: not stream.send(TokenEvent(text="c", token=3)), "the writer to report the cancel")
     stream.close()
+
+
+def test_closing_waits_for_the_write_in_flight_so_nothing_of_the_attempt_lands_after_it(redis_url: str) -> None:
+    """A retried attempt's tokens are counted from its start event: a late write of the ended attempt would count as its."""
+    conn, admin = redis.Redis.from_url(redis_url), redis.Redis.from_url(redis_url)
+    stream = JobStream(conn, "ended", ttl_s=60, interval_s=0.0)
+    admin.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+    closer = threading.Thread(target=stream.close)
+    try:
+        assert stream.send(TokenEvent(text="a", token=1))
+        closer.start()
+        closer.join(1.0)
+        assert closer.is_alive(), "close returned while the token's write was still waiting for Redis"
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+    closer.join(30)
+    assert not closer.is_alive()
+    assert _texts(conn, "ended") == ["a"], "the write in flight landed before close returned"
