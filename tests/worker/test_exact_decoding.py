@@ -25,7 +25,7 @@ from tests.helpers import prompt_text
 from worker.decoding import DecodeMode, choose_mode, decoded_logits
 from worker.engine import Engine
 from worker.kvchunks import cut_cells
-from worker.llama_state import evaluate_prompt, last_logits, open_llama, read_seq_state
+from worker.llama_state import evaluate_all_logits, evaluate_prompt, last_logits, open_llama, read_seq_state
 from worker.protocol import SamplingParams, TokenEvent, job_spec
 from worker.settings import WorkerSettings
 
@@ -56,6 +56,18 @@ def test_the_start_up_check_picks_the_cheapest_mode_that_keeps_the_cold_bits(llm
     assert _exact(llm, mode, prompt, answer), f"{mode} was chosen but its logits differ from a cold evaluation's"
     single_exact = _exact(llm, DecodeMode.SINGLE, prompt, answer)
     assert mode is (DecodeMode.SINGLE if single_exact else DecodeMode.PAIR), why
+
+
+def test_a_rows_logits_are_the_same_bits_whether_one_row_or_many_are_computed(llm: llama_cpp.Llama) -> None:
+    """A round of the batched engine asks for one output row per sequence, a lone sequence for one: the output matrix
+    (SmolLM2's is Q8_0, which deploy/patches leaves to ggml's kernels at one row) must give a row the same bits either way."""
+    for n in (40, 90, 300):
+        tokens = _random(llm, n, seed=n)
+        llm.reset()
+        evaluate_prompt(llm, tokens, 0)
+        one_row = last_logits(llm).copy()
+        *_, (_, rows) = evaluate_all_logits(llm, tokens)
+        assert np.array_equal(rows[-1], one_row), f"{n} tokens: the last row differs when every row is computed"
 
 
 @pytest.fixture(scope="module")
