@@ -18,7 +18,7 @@ from pydantic import TypeAdapter
 from rq import Queue, Retry
 from rq.job import Job, JobStatus
 
-from worker.protocol import DoneEvent, ErrorEvent, JobSpec, StartEvent, TokenEvent, cancel_key, stream_key
+from worker.protocol import DoneEvent, ErrorEvent, JobSpec, Once, StartEvent, TokenEvent, cancel_key, stream_key
 from worker.redis_retry import RETRIED, backoff
 
 READ_BACKOFF_CAP_S = 0.5
@@ -59,10 +59,10 @@ def parse_event(fields: dict[bytes, bytes]) -> Event:
     return _EVENT.validate_python(json.loads(fields[b"e"]))
 
 
-def _entries(batch: list[Any]) -> tuple[bytes, list[Event]]:
-    """The last entry id and the events of one XREAD reply for one stream."""
+def _entries(batch: list[Any], once: Once) -> tuple[bytes, list[Event]]:
+    """The last entry id and the events of one XREAD reply for one stream, less the repeats of retried writes."""
     entries = batch[0][1]
-    return entries[-1][0], [parse_event(fields) for _, fields in entries]
+    return entries[-1][0], [parse_event(fields) for _, fields in entries if once.fresh(fields)]
 
 
 def events(conn: redis.Redis, job_id: str, *, timeout_s: float = 600.0, block_ms: int = 1000) -> Iterator[Event]:
@@ -70,7 +70,7 @@ def events(conn: redis.Redis, job_id: str, *, timeout_s: float = 600.0, block_ms
 
     Raises `TimeoutError` when nothing arrives for ``timeout_s`` seconds.
     """
-    key, last = stream_key(job_id), b"0"
+    key, last, once = stream_key(job_id), b"0", Once()
     deadline = time.monotonic() + timeout_s
     while True:
         batch = conn.xread({key: last}, count=256, block=block_ms)
@@ -79,7 +79,7 @@ def events(conn: redis.Redis, job_id: str, *, timeout_s: float = 600.0, block_ms
                 raise TimeoutError(f"no event from job {job_id} for {timeout_s:.0f} s")
             continue
         deadline = time.monotonic() + timeout_s
-        last, found = _entries(batch)
+        last, found = _entries(batch, once)
         for event in found:
             yield event
             if _final(event):
@@ -95,7 +95,7 @@ async def aevents(conn: redis.asyncio.Redis, job_id: str, *, block_ms: int = 100
     and yields ``None``, so the caller's deadline and checks still hold meanwhile; a
     `redis.retry.Retry` would retry out of the caller's sight.
     """
-    key, last = stream_key(job_id), b"0"
+    key, last, once = stream_key(job_id), b"0", Once()
     waits, failures = backoff(cap_s=READ_BACKOFF_CAP_S), 0
     while True:
         try:
@@ -109,7 +109,7 @@ async def aevents(conn: redis.asyncio.Redis, job_id: str, *, block_ms: int = 100
         if not batch:
             yield None
             continue
-        last, found = _entries(batch)
+        last, found = _entries(batch, once)
         for event in found:
             yield event
             if _final(event):

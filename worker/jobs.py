@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -21,7 +22,7 @@ from rq.job import Job
 from worker import metrics
 from worker.advert import adverts
 from worker.errors import JobRejected
-from worker.protocol import DoneEvent, ErrorEvent, JobSpec, StartEvent, TokenEvent, cancel_key, stream_key, worker_queue
+from worker.protocol import DoneEvent, ErrorEvent, JobSpec, StartEvent, TokenEvent, cancel_key, entry, stream_key, worker_queue
 from worker.redis_retry import ride_out
 
 if TYPE_CHECKING:
@@ -57,6 +58,11 @@ class JobStream:
     Redis: a job's outcome is in its stream before RQ hears of it. A token write that
     fails for good (Redis away longer than the outage allows) fails the next `send`.
     Whether the client cancelled is what the latest write found; `close` ends the writer.
+
+    Each entry names its writer (this stream, one per attempt) and its place among the
+    writer's entries: a write retried after Redis applied it but lost its reply (a Redis
+    shut down between the two) repeats entries, and readers drop the repeats by those
+    (`worker.client.Once`).
     """
 
     def __init__(self, conn: redis.Redis, job_id: str, ttl_s: int, interval_s: float = 0.0) -> None:
@@ -65,7 +71,9 @@ class JobStream:
         self.cancel = cancel_key(job_id)
         self.ttl_s = ttl_s
         self.interval_s = interval_s
-        self._held: list[str] = []
+        self.writer = uuid.uuid4().hex[:12]
+        self._sent = 0
+        self._held: list[tuple[int, str]] = []
         self._wake = threading.Condition()
         self._writing = threading.Lock()
         """Held while events leave ``_held`` and are written: they reach Redis in the order sent."""
@@ -85,7 +93,7 @@ class JobStream:
             if self._failed is not None:
                 raise self._failed
             with self._wake:
-                self._held.append(line)
+                self._hold(line)
                 self._outage_s = outage_s
                 if self._writer is None:
                     self._writer = threading.Thread(target=self._write_tokens, name=f"kvpool-{self.key}", daemon=True)
@@ -94,8 +102,13 @@ class JobStream:
             return not self._cancelled
         with self._writing:
             with self._wake:
-                self._held.append(line)
+                self._hold(line)
             return self._write(outage_s)
+
+    def _hold(self, line: str) -> None:
+        """Queue ``line`` as the writer's next entry; the caller holds ``_wake``."""
+        self._sent += 1
+        self._held.append((self._sent, line))
 
     def close(self) -> None:
         """End the writer; once this returns, nothing of this attempt reaches the stream.
@@ -119,8 +132,8 @@ class JobStream:
 
         def write() -> list[Any]:
             pipe = self.conn.pipeline(transaction=True)
-            for e in lines:
-                pipe.xadd(self.key, {"e": e}, maxlen=STREAM_MAXLEN, approximate=True)
+            for n, e in lines:
+                pipe.xadd(self.key, entry(e, self.writer, n), maxlen=STREAM_MAXLEN, approximate=True)
             pipe.expire(self.key, self.ttl_s)
             pipe.exists(self.cancel)
             return pipe.execute()

@@ -3,7 +3,8 @@
 No llama.cpp here: the gateway imports this module to build jobs and read their streams.
 
 A job's tokens go out on a Redis stream (``kvpool:stream:<job id>``) as they are made,
-one entry per event, each a single field ``e`` holding JSON:
+one entry per event. Its field ``e`` holds the event as JSON; ``w`` names the writer (one
+per attempt) and ``n`` counts the writer's entries from 1 (`entry`, `Once`):
 
 * ``{"type": "start", "attempt": 1, "worker": "..."}`` -- each attempt begins anew (a
   job whose worker died is run again by another, from the start)
@@ -17,6 +18,10 @@ transaction, still one entry each, so a reader gets them in one reply
 (`worker.jobs.JobStream`). The stream is trimmed to a bounded length and expires a while
 after its last entry. A client that goes away sets ``kvpool:cancel:<job id>``; the worker
 checks it at every write and stops within that interval.
+
+A write is retried when Redis goes away during it, and Redis may have applied the write
+before it went (a Redis shut down after it ran a transaction but before it replied). The
+retry then repeats entries; readers drop them with `Once`, so every event counts once.
 """
 
 from __future__ import annotations
@@ -40,6 +45,32 @@ LEASE_PREFIX = "kvpool:lease:"
 
 def stream_key(job_id: str) -> str:
     return STREAM_PREFIX + job_id
+
+
+def entry(event_json: str, writer: str, n: int) -> dict[str, str | int]:
+    """The stream entry of a writer's ``n``-th event."""
+    return {"e": event_json, "w": writer, "n": n}
+
+
+class Once:
+    """Which entries of one job's stream a reader has seen: `fresh` is False for the repeat of a retried write.
+
+    A writer's entries reach the stream in the order of their ``n``, so an entry whose ``n``
+    is not above the last seen from its writer repeats one. Entries without ``w`` and ``n``
+    (written by a worker older than this format) are all fresh.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[bytes, int] = {}
+
+    def fresh(self, fields: dict[bytes, bytes]) -> bool:
+        writer, n = fields.get(b"w"), fields.get(b"n")
+        if writer is None or n is None:
+            return True
+        if int(n) <= self._last.get(writer, 0):
+            return False
+        self._last[writer] = int(n)
+        return True
 
 
 def cancel_key(job_id: str) -> str:

@@ -26,6 +26,7 @@ from worker.protocol import (
     DoneEvent,
     ErrorEvent,
     JobResult,
+    Once,
     StartEvent,
     TokenEvent,
     stream_key,
@@ -56,6 +57,7 @@ class Flight:
     job_id: str
     last: str = "0"
     tokens: list[TokenEvent] = field(default_factory=list)
+    once: Once = field(default_factory=Once)
 
 
 class Runner:
@@ -184,7 +186,8 @@ class Runner:
                     break
                 flight.last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                 self._progress_at = time.monotonic()
-                self._on_event(flight, parse_event(fields))
+                if flight.once.fresh(fields):
+                    self._on_event(flight, parse_event(fields))
 
     def _on_event(self, flight: Flight, ev: object) -> None:
         if isinstance(ev, StartEvent):

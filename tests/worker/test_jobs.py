@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import redis
+import redis.asyncio
 
+from gateway.pool.procs import free_port
 from tests.helpers import poll
-from worker.client import events
+from worker.client import aevents, events
 from worker.jobs import JobStream
 from worker.protocol import DoneEvent, JobResult, StartEvent, Timings, TokenEvent, Usage, cancel_key, stream_key
 
@@ -115,3 +121,97 @@ def test_closing_waits_for_the_write_in_flight_so_nothing_of_the_attempt_lands_a
     closer.join(30)
     assert not closer.is_alive()
     assert _texts(conn, "ended") == ["a"], "the write in flight landed before close returned"
+
+
+class ReplyLosingProxy:
+    """A TCP proxy in front of a real Redis that can drop the connection after Redis ran a transaction but before its reply reaches the client.
+
+    That is what a client sees of a Redis shut down (SIGTERM) between running a write and
+    writing its reply: the write is applied, and persisted, and the client gets a
+    connection error.
+    """
+
+    def __init__(self, redis_port: int) -> None:
+        self.redis_port = redis_port
+        self.port = free_port()
+        self.armed = threading.Event()
+        self.lost = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.redis_port))
+            swallow = threading.Event()
+            threading.Thread(target=self._requests, args=(client, upstream, swallow), daemon=True).start()
+            threading.Thread(target=self._replies, args=(upstream, client, swallow), daemon=True).start()
+
+    def _requests(self, client: socket.socket, upstream: socket.socket, swallow: threading.Event) -> None:
+        while data := _recv(client):
+            if self.armed.is_set() and b"EXEC\r\n" in data:
+                self.armed.clear()
+                swallow.set()
+            upstream.sendall(data)
+        upstream.close()
+
+    def _replies(self, upstream: socket.socket, client: socket.socket, swallow: threading.Event) -> None:
+        seen = b""
+        while data := _recv(upstream):
+            if not swallow.is_set():
+                client.sendall(data)
+                continue
+            seen += data
+            if b"QUEUED\r\n*" in seen:  # EXEC's reply: the transaction ran
+                client.close()
+                upstream.close()
+                self.lost.set()
+                return
+        client.close()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def _recv(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(65536)
+    except OSError:
+        return b""
+
+
+@contextmanager
+def _proxy(redis_url: str) -> Iterator[ReplyLosingProxy]:
+    proxy = ReplyLosingProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+async def _atexts(conn: redis.asyncio.Redis, job_id: str) -> list[str]:
+    return [e.text async for e in aevents(conn, job_id) if isinstance(e, TokenEvent)]
+
+
+def test_a_write_redis_ran_but_never_answered_is_retried_and_read_once(redis_url: str) -> None:
+    """Redis went away after it ran a write and before it replied: the retry repeats its entries, and readers count each event once."""
+    admin = redis.Redis.from_url(redis_url)
+    with _proxy(redis_url) as proxy:
+        conn = redis.Redis(host="127.0.0.1", port=proxy.port)
+        stream = JobStream(conn, "unanswered", ttl_s=60, interval_s=0.0)
+        assert stream.send(StartEvent(attempt=1, worker="w"))
+        assert stream.send(TokenEvent(text="a", token=1))
+        poll(lambda: _written(admin, "unanswered") == 2, "the first token")
+        proxy.armed.set()
+        assert stream.send(TokenEvent(text="b", token=2))
+        poll(proxy.lost.is_set, "the write of b to run without its reply reaching the worker")
+        assert stream.send(DoneEvent(result=_result()))
+        stream.close()
+    assert _texts(admin, "unanswered") == ["", "a", "b", "b", ""], "Redis holds the retried write twice"
+    got = list(events(admin, "unanswered", timeout_s=5))
+    assert [type(e).__name__ for e in got] == ["StartEvent", "TokenEvent", "TokenEvent", "DoneEvent"]
+    assert [e.text for e in got if isinstance(e, TokenEvent)] == ["a", "b"]
+    assert asyncio.run(_atexts(redis.asyncio.Redis.from_url(redis_url), "unanswered")) == ["a", "b"], "the gateway's reader too"
