@@ -1,0 +1,60 @@
+"""Decode mode and speed of a model with llama.cpp's weight repacking on or off.
+
+    PYTHONPATH=$PWD .kvpool/venv/bin/python docs/bench/builds/plain_kernels.py MODEL.gguf repack
+    GGML_CPU_TILED_MM=0 PYTHONPATH=$PWD .kvpool/venv/bin/python docs/bench/builds/plain_kernels.py MODEL.gguf norepack
+
+``norepack`` loads the weights without llama.cpp's extra buffer types
+(``use_extra_bufts = false``, which llama-cpp-python's ``Llama`` does not expose, so its
+default model parameters are replaced for this process); ``GGML_CPU_TILED_MM=0`` turns off
+the tiled kernels of k-quants. Prints one JSON line: the mode the start-up check picks,
+then the median of 3 runs of prompt tokens/s (600 random tokens) and one-token decode
+tokens/s (64 steps) after it.
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")  # as a worker sets it
+
+import llama_cpp  # noqa: E402
+import llama_cpp.llama as L  # noqa: E402
+import numpy as np  # noqa: E402
+
+orig = llama_cpp.llama_model_default_params
+
+
+def noextra() -> llama_cpp.llama_model_params:
+    p = orig()
+    p.use_extra_bufts = False
+    return p
+
+
+if sys.argv[2] == "norepack":
+    L.llama_cpp.llama_model_default_params = noextra
+from worker.decoding import DecodeMode, choose_mode, decode_step  # noqa: E402
+from worker.llama_state import evaluate_prompt, open_llama  # noqa: E402
+
+m = sys.argv[1]
+llm = open_llama(m, n_ctx=2048, n_threads=2, n_threads_batch=2, flash_attn=False)
+mode, _ = choose_mode(llm, "auto")
+rng = np.random.default_rng(0)
+out = {"model": os.path.basename(m), "cfg": sys.argv[2], "tiled": os.environ.get("GGML_CPU_TILED_MM", "1"), "mode": str(mode)}
+for n_prompt in (600,):
+    prompt = [int(t) for t in rng.integers(3, llm.n_vocab(), n_prompt)]
+    runs = []
+    for _ in range(3):
+        llm.reset()
+        t = time.perf_counter()
+        evaluate_prompt(llm, prompt, 0)
+        rate = n_prompt / (time.perf_counter() - t)
+        steps = [int(t) for t in rng.integers(3, llm.n_vocab(), 64)]
+        t = time.perf_counter()
+        for tok in steps:
+            decode_step(llm, tok, DecodeMode.SINGLE)
+        runs.append((64 / (time.perf_counter() - t), rate))
+    out[f"decode@{n_prompt}"] = round(statistics.median(r[0] for r in runs), 1)
+    out[f"prompt@{n_prompt}"] = round(statistics.median(r[1] for r in runs), 1)
+print(json.dumps(out))
