@@ -4,7 +4,8 @@ For each sequence count P the model is loaded as a worker loads it (`worker.slot
 ``KVPOOL_PARALLEL`` = P, ``n_gpu_layers`` as given), the start-up checks run on it (restore
 and decode mode), and P threads, one per sequence, each evaluate a prompt of their own
 and decode ``tokens`` greedy tokens in the mode the check chose, through the batcher, as
-P jobs would. Reported: tokens/s over all sequences, and how many sequences' answers are
+P jobs would (with P = 1, on the thread the checks ran on). Each count runs in a process of
+its own (`isolated`). Reported: tokens/s over all sequences, and how many sequences' answers are
 the same tokens as the same prompt decoded alone (P = 1): the promise that an answer does
 not depend on what ran beside it. ``deploy/gpu-check.sh`` runs it on a CUDA build.
 """
@@ -12,15 +13,20 @@ not depend on what ran beside it. ``deploy/gpu-check.sh`` runs it on a CUDA buil
 from __future__ import annotations
 
 import json
+import multiprocessing
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 import numpy as np
 
 PROMPT_TOKENS = 48
+
+T = TypeVar("T")
 
 
 def _answer(view: Any, prompt: list[int], n: int, mode: Any) -> list[int]:
@@ -60,11 +66,14 @@ def measure(model: Path, parallel: int, *, threads: int, tokens: int, n_gpu_laye
             answers[i] = _answer(views[i], prompts[i], tokens, mode)
 
         t0 = time.perf_counter()
-        workers = [threading.Thread(target=run, args=(i,)) for i in range(len(views))]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
+        if batcher is None:
+            run(0)  # on the thread the checks ran on, as a worker of one sequence does (see `isolated`)
+        else:
+            workers = [threading.Thread(target=run, args=(i,)) for i in range(len(views))]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
         wall = time.perf_counter() - t0
     finally:
         if batcher is not None:
@@ -82,8 +91,22 @@ def measure(model: Path, parallel: int, *, threads: int, tokens: int, n_gpu_laye
     }
 
 
-def agreement(runs: list[dict[str, Any]], model: Path, *, threads: int, tokens: int, n_gpu_layers: int) -> None:
-    """Each run's answers beside the same prompts decoded alone (one sequence per context)."""
+def isolated(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` in a fresh process, as every measurement here runs.
+
+    A worker computes on one thread: the main one with one sequence, the batcher's with
+    more. Once one thread of a process has run llama.cpp's OpenMP parallel regions, another
+    thread's run about 3x slower (SmolLM2, 2 threads: 27-34 against 95-114 tokens/s, a
+    one-sequence decode loop on a second thread after the first had decoded), which is not
+    what a worker sees. So each sequence count, the reference answers and each stall
+    measurement get a process of their own (spawned: no OpenMP state inherited).
+    """
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args, **kwargs).result()
+
+
+def agreement(runs: list[dict[str, Any]], model: Path, *, threads: int, tokens: int, n_gpu_layers: int) -> list[dict[str, Any]]:
+    """The runs, each with how many of its answers equal the same prompts decoded alone (one sequence per context)."""
     from worker.decoding import choose_mode
     from worker.settings import WorkerSettings
     from worker.slots import open_context
@@ -95,6 +118,7 @@ def agreement(runs: list[dict[str, Any]], model: Path, *, threads: int, tokens: 
             r["same_as_alone"] = sum(_answer(alone, p, tokens, mode) == a for p, a in zip(r["prompts"], r["answers"], strict=True))
     finally:
         alone.close()
+    return runs
 
 
 def stalls(model: Path, *, threads: int, prefill_chunk: int, prompt_tokens: int = 2000, steps: int = 120) -> dict[str, Any]:
@@ -194,13 +218,13 @@ def bench_decode_command(
 
     model = model_path or ensure_packaged(DEFAULT_MODEL, Path(".kvpool/models"))
     counts = sorted({int(s) for s in sequences.split(",") if s.strip()})
-    runs = [measure(model, p, threads=threads, tokens=tokens, n_gpu_layers=n_gpu_layers) for p in counts]
-    agreement(runs, model, threads=threads, tokens=tokens, n_gpu_layers=n_gpu_layers)
+    runs = [isolated(measure, model, p, threads=threads, tokens=tokens, n_gpu_layers=n_gpu_layers) for p in counts]
+    runs = isolated(agreement, runs, model, threads=threads, tokens=tokens, n_gpu_layers=n_gpu_layers)
     click.echo(
         f"Model {model.name}, {threads} threads, n_gpu_layers {n_gpu_layers}, {tokens} tokens per sequence after a {PROMPT_TOKENS}-token prompt"
     )
     click.echo(table(runs))
-    found = [stalls(model, threads=threads, prefill_chunk=int(c)) for c in stall_chunks.split(",") if c.strip()]
+    found = [isolated(stalls, model, threads=threads, prefill_chunk=int(c)) for c in stall_chunks.split(",") if c.strip()]
     for f in found:
         click.echo(json.dumps(f))
     if out is not None:

@@ -16,6 +16,7 @@ from gateway.pool.bench.cli import bench_command
 from gateway.pool.bench.plan import PROFILES, cold_subset
 from gateway.pool.bench.systems import Sample
 from gateway.pool.bench.workloads import TokenSource, build
+from gateway.pool.procs import kvpool_command
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -221,3 +222,17 @@ def test_the_committed_peers_report_is_what_its_recorded_json_gives(tmp_path: Pa
     md = (tmp_path / "peers.md").read_text()
     assert md == (docs / "peers.md").read_text()
     assert "### Targets" in md and "| met |" in md and "missed" in md  # the recorded run met some targets and missed others
+
+
+def test_bench_decode_measures_each_count_in_a_process_of_its_own_and_reports_exact_answers(smollm2: Path, tmp_path: Path) -> None:
+    """Each sequence count runs as a worker would, on one computing thread of a fresh process: the answers are those
+    decoded alone, and the JSON says which mode the check chose."""
+    out = tmp_path / "decode.json"
+    args = ["--model", str(smollm2), "--sequences", "1,2", "--tokens", "6", "--out", str(out)]
+    done = subprocess.run(kvpool_command("bench-decode", *args), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| 2 |" in done.stdout, done.stdout
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["sequences"] for r in runs] == [1, 2]
+    assert [r["same_as_alone"] for r in runs] == [1, 2], "every sequence's answer is what it decodes alone"
+    assert all(r["decode_mode"] in ("single", "pair") and r["tokens_per_s"] > 0 for r in runs)
