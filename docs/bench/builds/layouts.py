@@ -34,9 +34,14 @@ LAYOUTS = {
 def main(label: str) -> dict:
     llm = open_llama(MODEL, n_ctx=4096, n_threads=2, n_threads_batch=2, **LAYOUTS[label])
     mode, _ = choose_mode(llm, "auto")
+    return {"layout": label, "mode": str(mode), **speeds(llm, (40, 600))}
+
+
+def speeds(llm: llama_cpp.Llama, prompt_lengths: tuple[int, ...]) -> dict:
+    """Per prompt length: the median of 3 runs of prompt tokens/s, then of 64 one-token steps' tokens/s."""
     rng = np.random.default_rng(0)
-    out: dict = {"layout": label, "mode": str(mode)}
-    for n_prompt in (40, 600):
+    out: dict = {}
+    for n_prompt in prompt_lengths:
         prompt = [int(t) for t in rng.integers(3, llm.n_vocab(), n_prompt)]
         runs = []
         for _ in range(3):

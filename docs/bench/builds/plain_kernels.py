@@ -13,15 +13,12 @@ tokens/s (64 steps) after it.
 
 import json
 import os
-import statistics
 import sys
-import time
 
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")  # as a worker sets it
 
 import llama_cpp  # noqa: E402
 import llama_cpp.llama as L  # noqa: E402
-import numpy as np  # noqa: E402
 
 orig = llama_cpp.llama_model_default_params
 
@@ -34,27 +31,14 @@ def noextra() -> llama_cpp.llama_model_params:
 
 if sys.argv[2] == "norepack":
     L.llama_cpp.llama_model_default_params = noextra
-from worker.decoding import DecodeMode, choose_mode, decode_step  # noqa: E402
-from worker.llama_state import evaluate_prompt, open_llama  # noqa: E402
+from layouts import speeds  # noqa: E402  (this folder: run as a script)
+
+from worker.decoding import choose_mode  # noqa: E402
+from worker.llama_state import open_llama  # noqa: E402
 
 m = sys.argv[1]
 llm = open_llama(m, n_ctx=2048, n_threads=2, n_threads_batch=2, flash_attn=False)
 mode, _ = choose_mode(llm, "auto")
-rng = np.random.default_rng(0)
 out = {"model": os.path.basename(m), "cfg": sys.argv[2], "tiled": os.environ.get("GGML_CPU_TILED_MM", "1"), "mode": str(mode)}
-for n_prompt in (600,):
-    prompt = [int(t) for t in rng.integers(3, llm.n_vocab(), n_prompt)]
-    runs = []
-    for _ in range(3):
-        llm.reset()
-        t = time.perf_counter()
-        evaluate_prompt(llm, prompt, 0)
-        rate = n_prompt / (time.perf_counter() - t)
-        steps = [int(t) for t in rng.integers(3, llm.n_vocab(), 64)]
-        t = time.perf_counter()
-        for tok in steps:
-            decode_step(llm, tok, DecodeMode.SINGLE)
-        runs.append((64 / (time.perf_counter() - t), rate))
-    out[f"decode@{n_prompt}"] = round(statistics.median(r[0] for r in runs), 1)
-    out[f"prompt@{n_prompt}"] = round(statistics.median(r[1] for r in runs), 1)
+out.update(speeds(llm, (600,)))
 print(json.dumps(out))
