@@ -62,7 +62,7 @@ class JobStream:
     Each entry names its writer (this stream, one per attempt) and its place among the
     writer's entries: a write retried after Redis applied it but lost its reply (a Redis
     shut down between the two) repeats entries, and readers drop the repeats by those
-    (`worker.client.Once`).
+    (`worker.protocol.Once`).
     """
 
     def __init__(self, conn: redis.Redis, job_id: str, ttl_s: int, interval_s: float = 0.0) -> None:
