@@ -6,8 +6,7 @@ import asyncio
 import json
 import socket
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio
@@ -172,7 +171,10 @@ class ReplyLosingProxy:
                 return
         client.close()
 
-    def close(self) -> None:
+    def __enter__(self) -> ReplyLosingProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         self._listener.close()
 
 
@@ -183,15 +185,6 @@ def _recv(sock: socket.socket) -> bytes:
         return b""
 
 
-@contextmanager
-def _proxy(redis_url: str) -> Iterator[ReplyLosingProxy]:
-    proxy = ReplyLosingProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
-    try:
-        yield proxy
-    finally:
-        proxy.close()
-
-
 async def _atexts(conn: redis.asyncio.Redis, job_id: str) -> list[str]:
     return [e.text async for e in aevents(conn, job_id) if isinstance(e, TokenEvent)]
 
@@ -199,7 +192,7 @@ async def _atexts(conn: redis.asyncio.Redis, job_id: str) -> list[str]:
 def test_a_write_redis_ran_but_never_answered_is_retried_and_read_once(redis_url: str) -> None:
     """Redis went away after it ran a write and before it replied: the retry repeats its entries, and readers count each event once."""
     admin = redis.Redis.from_url(redis_url)
-    with _proxy(redis_url) as proxy:
+    with ReplyLosingProxy(urlsplit(redis_url).port or 6379) as proxy:
         conn = redis.Redis(host="127.0.0.1", port=proxy.port)
         stream = JobStream(conn, "unanswered", ttl_s=60, interval_s=0.0)
         assert stream.send(StartEvent(attempt=1, worker="w"))
