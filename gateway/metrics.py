@@ -15,7 +15,11 @@ ROUTED = Counter("kvpool_gateway_routed_total", "Routing decisions, by reason.",
 REJECTED = Counter("kvpool_gateway_rejected_total", "Requests turned away before enqueueing, by reason.", ["reason"])
 TENANT_REQUESTS = Counter("kvpool_gateway_tenant_requests_total", "Requests by tenant id (never by key).", ["tenant"])
 CANCELLED = Counter("kvpool_gateway_cancelled_total", "Jobs cancelled, by cause.", ["cause"])
-RESUBMITTED = Counter("kvpool_gateway_resubmitted_total", "Jobs submitted again because Redis had lost them.")
+RESUBMITTED = Counter(
+    "kvpool_gateway_resubmitted_total",
+    "Jobs queued again, by reason: Redis had lost them (redis_lost), or a worker popped one and died before starting it (stranded).",
+    ["reason"],
+)
 IDEMPOTENT = Counter(
     "kvpool_gateway_idempotent_requests_total",
     "Requests with an Idempotency-Key, by outcome: new, attached (to the first attempt's jobs), rerun (those jobs failed, "

@@ -9,7 +9,9 @@ them) and then its `JobResult`, or raises an `APIError` that names the failure. 
 * the worker: gone with no other worker alive, and the client gets a 502 at once
   instead of waiting for a retry that nobody will run;
 * the job itself: a Redis that restarted without its data has lost the queued job, so
-  the gateway, which still holds the spec, submits it again under the same id.
+  the gateway, which still holds the spec, submits it again under the same id; a job
+  popped by a worker that died before starting it is put back in the shared queue
+  (`worker.client.arequeue_stranded`).
 
 A Redis that restarts mid-stream only pauses the relay: reading resumes after the last
 entry seen (`worker.client.aevents`).
@@ -31,7 +33,7 @@ from starlette.requests import Request
 from gateway import metrics
 from gateway.errors import Timeout, WorkerFailed
 from worker.advert import ais_live
-from worker.client import aevents, job_key
+from worker.client import aevents, arequeue_stranded, job_key
 from worker.protocol import DoneEvent, ErrorEvent, JobResult, StartEvent, TokenEvent, cancel_key
 
 log = logging.getLogger("kvpool.gateway")
@@ -44,6 +46,8 @@ class RelayContext:
     request: Request
     aredis: redis.asyncio.Redis[bytes]
     job_id: str
+    queue: str
+    """The shared queue, where a stranded job is put back."""
     t0: float
     timeout_s: float
     endpoint: str
@@ -103,8 +107,11 @@ async def _check(ctx: RelayContext, attempt: _Attempt) -> None:
                 raise WorkerFailed(f"worker {attempt.worker} died while answering and no other worker is alive", code="worker_lost")
         if not await ctx.aredis.exists(job_key(ctx.job_id)):
             log.warning("job.lost", extra={"job": ctx.job_id, "reason": "Redis no longer holds it; submitting it again"})
-            metrics.RESUBMITTED.inc()
+            metrics.RESUBMITTED.labels("redis_lost").inc()
             await ctx.resubmit()
+        elif await arequeue_stranded(ctx.aredis, ctx.job_id, ctx.queue):
+            log.warning("job.stranded", extra={"job": ctx.job_id, "reason": "a worker popped it and died before starting it; queued again"})
+            metrics.RESUBMITTED.labels("stranded").inc()
     except (redis.ConnectionError, redis.TimeoutError):
         pass  # Redis is away: the deadline still holds, and reading resumes when it is back
 

@@ -44,6 +44,7 @@ class Gateway:
             request,
             self.aredis,
             job_id,
+            self.settings.queue,
             t0,
             self.settings.request_timeout_s,
             endpoint,

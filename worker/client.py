@@ -22,6 +22,8 @@ from worker.protocol import DoneEvent, ErrorEvent, JobSpec, Once, StartEvent, To
 from worker.redis_retry import RETRIED, backoff
 
 READ_BACKOFF_CAP_S = 0.5
+STRANDED_S = 5.0
+"""How long a job must be seen stranded (`requeue_stranded`) before it is put back: a live worker starts a job it popped within milliseconds."""
 """The longest wait between two reads of a job's events while Redis is away: the tokens wait for it once Redis is back."""
 
 Event = StartEvent | TokenEvent | DoneEvent | ErrorEvent
@@ -114,6 +116,56 @@ async def aevents(conn: redis.asyncio.Redis, job_id: str, *, block_ms: int = 100
             yield event
             if _final(event):
                 return
+
+
+_REQUEUE_STRANDED = """
+local job, seen = KEYS[1], KEYS[2]
+local prefix, id, grace, shared = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local origin = redis.call('HGET', job, 'origin')
+if redis.call('HGET', job, 'status') ~= 'queued' or not origin or redis.call('LPOS', prefix .. origin, id) then
+  redis.call('DEL', seen)
+  return 0
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local first = tonumber(redis.call('GET', seen))
+if not first then
+  redis.call('SET', seen, tostring(now), 'EX', 3600)
+  return 0
+end
+if now - first < grace then
+  return 0
+end
+redis.call('HSET', job, 'origin', shared)
+redis.call('LPUSH', prefix .. shared, id)
+redis.call('DEL', seen)
+return 1
+"""
+"""Put a stranded job back at the front of the shared queue, atomically with the checks that find it stranded.
+
+A job is stranded when RQ records it as queued while no queue holds it: a worker that
+listens on two queues pops with BLPOP, and RQ records the job as started a few
+milliseconds later; a worker killed in between takes the job with it. (RQ's own
+guard, its intermediate queue, serves only workers of one queue, and recovers a job
+after a minute.) The first call that finds the job stranded notes the time (Redis's
+clock, so every gateway agrees); a call at least ``grace`` seconds later moves it.
+Any call that finds the job queued, started or ended forgets the note.
+"""
+
+
+def _stranded_args(job_id: str, shared_queue: str, grace_s: float) -> tuple[Any, ...]:
+    keys = (job_key(job_id), f"kvpool:stranded:{job_id}")
+    return (_REQUEUE_STRANDED, len(keys), *keys, Queue.redis_queue_namespace_prefix, job_id, grace_s, shared_queue)
+
+
+def requeue_stranded(conn: redis.Redis, job_id: str, shared_queue: str, grace_s: float = STRANDED_S) -> bool:
+    """Whether the job was stranded (popped by a worker that died before starting it) and is now back in ``shared_queue``."""
+    return bool(conn.eval(*_stranded_args(job_id, shared_queue, grace_s)))
+
+
+async def arequeue_stranded(conn: redis.asyncio.Redis, job_id: str, shared_queue: str, grace_s: float = STRANDED_S) -> bool:
+    """`requeue_stranded` for asyncio."""
+    return bool(await conn.eval(*_stranded_args(job_id, shared_queue, grace_s)))
 
 
 def job_exists(conn: redis.Redis, job_id: str) -> bool:

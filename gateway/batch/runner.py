@@ -20,7 +20,7 @@ from gateway.errors import APIError, Overloaded, WorkerFailed
 from gateway.responses import chat_body, completion_body
 from gateway.settings import GatewaySettings
 from worker.advert import adverts
-from worker.client import ENDED, JobStatus, cancel, delete_job, job_key, job_status, parse_event, return_value
+from worker.client import ENDED, JobStatus, cancel, delete_job, job_key, job_status, parse_event, requeue_stranded, return_value
 from worker.protocol import (
     STREAM_PREFIX,
     DoneEvent,
@@ -277,7 +277,8 @@ class Runner:
             )
 
     def _check_jobs(self) -> None:
-        """Settle jobs RQ says are over but whose final event never came (failed before writing one, or expired)."""
+        """Settle jobs RQ says are over but whose final event never came (failed before writing one, or expired);
+        put back those a dying worker popped (`requeue_stranded`)."""
         ids = list(self.flights)
         if not ids:
             return
@@ -286,6 +287,8 @@ class Runner:
             pipe.hget(job_key(j), "status")
         for job_id, raw in zip(ids, pipe.execute()):
             status = job_status(raw)
+            if status == JobStatus.QUEUED and requeue_stranded(self.conn, job_id, self.settings.queue):
+                log.warning("batch.job_stranded", extra={"job": job_id, "reason": "a worker popped it and died before starting it"})
             if status is not None and status not in ENDED:
                 continue
             if job_id not in self.flights:
