@@ -354,6 +354,8 @@ def test_faults_under_load_lose_nothing_and_answer_right(pool: Pool, smollm2: Pa
     print(f"first answer {warm_up:.2f} s; recovery (s): " + ", ".join(f"{k} {v:.2f}" for k, v in recovery.items()))
     print(f"SIGTERM with Redis away: exit {sigterm_rc} after {sigterm_s:.2f} s; index healed {healed_s:.2f} s after S3 came back empty")
     print(f"bytes by kernels: {kernels}")
+    stranded = sum(log.read_text().count("job.stranded") for log in pool.tmp.glob("gateway*.log"))
+    print(f"jobs a dying worker popped but never started, queued again by a gateway: {stranded}")
     wrong = [
         f"prompt {o.prompt} stream={o.stream} worker={o.worker} job={o.job}: {o.text!r} != {refs[o.prompt]!r}"
         for o in out
