@@ -37,6 +37,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import llama_cpp
 import numpy as np
@@ -91,6 +92,8 @@ class Batcher:
         self._batch = llama_cpp.llama_batch_init(n_ubatch, 0, 1)
         self.rounds = 0
         self.calls = 0
+        self.totals: dict[CallKind, CallTotals] = {}
+        """Calls and their time by kind, logged once when the batcher closes (``batcher.totals``)."""
         self._thread = threading.Thread(target=self._run, name="kvpool-batcher", daemon=True)
         self._thread.start()
 
@@ -124,6 +127,10 @@ class Batcher:
             self._cv.notify_all()
         self._thread.join(timeout=30)
         llama_cpp.llama_batch_free(self._batch)
+        log.info(
+            "batcher.totals",
+            extra={"rounds": self.rounds, **{f"{k}_{f}": v for k, t in sorted(self.totals.items()) for f, v in t.fields().items()}},
+        )
 
     # -- the batcher's thread ----------------------------------------------------------
 
@@ -133,9 +140,10 @@ class Batcher:
                 if not self._wait_for_work():
                     return
                 calls = plan_round(list(self._queue), self.n_ubatch, self.prefill_chunk)
-            for call in calls:
+            kinds = call_kinds(calls)
+            for call, kind in zip(calls, kinds, strict=True):
                 try:
-                    self._call(call)
+                    self._call(call, kind)
                 except Exception as e:  # never leave a job waiting on a thread that died
                     log.exception("batcher.call_failed")
                     for req, _n in call:
@@ -173,7 +181,7 @@ class Batcher:
                             self._expected.add(req.seq)
             self._cv.notify_all()
 
-    def _call(self, call: list[Piece]) -> None:
+    def _call(self, call: list[Piece], kind: CallKind) -> None:
         """One ``llama_decode`` of the pieces; each request whose last token went in gets its logits."""
         b = self._batch
         i = 0
@@ -191,7 +199,9 @@ class Batcher:
             outputs.append((req, i - n, n))
         b.n_tokens = i
         with self.lock:
+            t0 = time.perf_counter()
             rc = llama_cpp.llama_decode(self.llm.ctx, b)
+            self.totals.setdefault(kind, CallTotals()).add(i, time.perf_counter() - t0)
             self.calls += 1
             for req, first, n in outputs:
                 self._collect(req, first, n, rc)
@@ -214,6 +224,47 @@ class Batcher:
                 ptr = llama_cpp.llama_get_logits_ith(ctx, first + n - 1)
                 req.out = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
             req.finished.set()
+
+
+class CallKind(StrEnum):
+    """What one ``llama_decode`` of a round holds."""
+
+    STEPS = "steps"
+    """Generated tokens only, in a round without a prompt."""
+    STEPS_BESIDE_PROMPT = "steps_beside_prompt"
+    """Generated tokens only, while a prompt piece goes in another call of the round (one-token steps never share a call with one)."""
+    PROMPT = "prompt"
+    """A prompt piece alone."""
+    MIXED = "mixed"
+    """Steps and a prompt piece in one call."""
+
+
+@dataclass
+class CallTotals:
+    calls: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.calls += 1
+        self.tokens += tokens
+        self.seconds += seconds
+
+    def fields(self) -> dict[str, int | float]:
+        return {"calls": self.calls, "tokens": self.tokens, "s": round(self.seconds, 3)}
+
+
+def call_kinds(calls: list[list[Piece]]) -> list[CallKind]:
+    """The kind of each call of a round."""
+    prompt_in_round = any(not r.is_step for call in calls for r, _ in call)
+    kinds = []
+    for call in calls:
+        steps = [r.is_step for r, _ in call]
+        if all(steps):
+            kinds.append(CallKind.STEPS_BESIDE_PROMPT if prompt_in_round else CallKind.STEPS)
+        else:
+            kinds.append(CallKind.PROMPT if not any(steps) else CallKind.MIXED)
+    return kinds
 
 
 def plan_round(queue: list[Request], n_ubatch: int, prefill_chunk: int) -> list[list[Piece]]:

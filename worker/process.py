@@ -8,7 +8,9 @@
   another worker (RQ's retries; `job_attempts` in all). Jobs left in the private queue
   of a dead worker are moved to the shared queue.
 * SIGTERM: RQ's warm shutdown -- the current job finishes, then the process exits;
-  jobs still waiting in its own queue are handed to the shared queue. While Redis is
+  jobs still waiting in its own queue are handed to the shared queue. With more than one
+  sequence, each sequence's worker finishes its job and stops; an idle one stops at its
+  next heartbeat (within ``dequeue_timeout``, 5 s). While Redis is
   unreachable there is no job to finish and nothing can be handed back: a stop request
   ends the wait for Redis at once and the process exits 0 (its advert expires, and the
   other workers move what waits in its queue).
@@ -152,6 +154,11 @@ class KvpoolWorker(SimpleWorker):
             )
 
     def heartbeat(self, timeout: int | None = None, pipeline=None):  # type: ignore[no-untyped-def]
+        """Also where an idle worker of a thread stops: RQ stops a worker from its signal handler, which runs in
+        the main thread only, and its wait for a job in another thread checks no stop request, so that worker
+        would wait for jobs (and take new ones) until killed. Its wait heartbeats every ``dequeue_timeout``."""
+        if pipeline is None and self._stop_requested and not self.busy:
+            raise StopRequested()
         super().heartbeat(timeout, pipeline)
         if pipeline is None and not self.busy:
             self.advertise(busy=False)

@@ -137,3 +137,17 @@ def test_sigterm_while_the_worker_waits_for_redis_after_losing_its_job(start_wor
         assert "worker.stopped" in w.log()
     finally:
         server.stop()
+
+
+def test_sigterm_stops_a_worker_of_four_sequences_with_every_sequence_idle(start_worker) -> None:
+    """The signal reaches the main thread's RQ worker only; the three others, waiting for jobs in threads, stop too."""
+    w = start_worker("w4", KVPOOL_PARALLEL="4")
+    assert w.proc is not None
+    t0 = time.monotonic()
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.proc.wait(timeout=30) == 0
+    took = time.monotonic() - t0
+    log = w.log()
+    assert all(f"Worker w4.{i}: unsubscribing from channel" in log for i in range(4)), log[-2000:]  # RQ's teardown, each
+    assert "batcher.totals" in log, "the engines closed: the context's batcher logged its totals"
+    assert took < 15, f"stopped {took:.1f} s after SIGTERM"
