@@ -106,6 +106,8 @@ class Engine:
         metrics.INFO.info({**self.labels, **self.identity(), "restore": str(self.restore_enabled).lower(), "worker": name})
         self.publisher = Publisher(store, settings.publish_queue, self.labels) if store and settings.publish else None
         self.eval_rate = EvalRate()
+        self.sequences: set[str] = {name}
+        """The names of the sequences of this context, shared by their engines (`for_sequence` adds each)."""
         self.leases = (
             Leases(store.index.r, name, settings.lease_s, settings.lease_wait_min_s)
             if store is not None and self.publisher and settings.coalesce
@@ -115,7 +117,15 @@ class Engine:
 
     def _finder(self) -> PrefixFinder:
         return PrefixFinder(
-            self.held, self.store, self.checkpoints, self.leases, self.eval_rate, self.labels, self.restore_enabled, self.name
+            self.held,
+            self.store,
+            self.checkpoints,
+            self.leases,
+            self.eval_rate,
+            self.labels,
+            self.restore_enabled,
+            self.name,
+            self.sequences,
         )
 
     @property
@@ -155,6 +165,7 @@ class Engine:
         other = copy.copy(self)
         other.held = Held(SeqView(self.batcher, seq, self.settings.parallel, self.settings.n_ctx), self.kv)
         other.name, other.owner, other._pending, other._deferred = name, False, None, None
+        self.sequences.add(name)
         if self.leases is not None and self.store is not None:  # a lease names the sequence holding it
             other.leases = Leases(self.store.index.r, name, self.settings.lease_s, self.settings.lease_wait_min_s)
         other.finder = other._finder()

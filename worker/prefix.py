@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import llama_cpp
@@ -42,6 +42,9 @@ from worker.protocol import StoreStatus
 from worker.sequence import SeqView
 
 log = logging.getLogger("kvpool.worker")
+
+SIBLING_WAIT_S = 600.0
+"""The longest a sequence waits for a prefix another sequence of its context is evaluating (a job's default timeout)."""
 
 
 @dataclass
@@ -122,6 +125,8 @@ class PrefixFinder:
     labels: dict[str, str]
     restore_enabled: bool
     name: str
+    siblings: Collection[str] = frozenset()
+    """The names of the sequences that share this one's context and batcher (this one's among them)."""
 
     @property
     def llm(self) -> Llama:
@@ -154,6 +159,9 @@ class PrefixFinder:
         The wait ends when the other worker's leases are gone (it published, or died and
         they expired), or after as long as evaluating those tokens here would take. Then
         the prefix is found again, and what is still missing is leased and evaluated here.
+        A holder that is another sequence of this context is waited for until it releases
+        (`SIBLING_WAIT_S` at most): evaluating the same tokens here would share its batcher
+        and cores, so it could only finish later and slow the holder down.
         """
         if self.leases is None or not self.restore_enabled or self.checkpoints is not None:
             return plan
@@ -170,6 +178,8 @@ class PrefixFinder:
             return plan
         self.leases.release(claim)
         max_wait = max(self.leases.min_wait_s, self.eval_rate.seconds_for(n * c, default_s=self.leases.lease_ms / 1000))
+        if all(h in self.siblings for h in holders[:n]):
+            max_wait = SIBLING_WAIT_S
         t0 = time.perf_counter()
         outcome = self.leases.wait(ahead[:n], max_wait)
         waited = time.perf_counter() - t0
