@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import anyio
@@ -42,11 +43,12 @@ class Submitted:
     done: bool = False
 
 
-async def submit_all(gw: Gateway, prepared: list[Prepared], tenant: Tenant) -> list[Submitted]:
+async def submit_all(gw: Gateway, prepared: list[Prepared], tenant: Tenant, job_ids: list[str] | None = None) -> list[Submitted]:
+    """Dispatch one job per prompt, under ``job_ids`` when given (an Idempotency-Key's claim names them first)."""
     jobs: list[Submitted] = []
     try:
-        for p in prepared:
-            job_id, route = await run_in_threadpool(gw.dispatcher.dispatch, p.spec)
+        for i, p in enumerate(prepared):
+            job_id, route = await run_in_threadpool(partial(gw.dispatcher.dispatch, p.spec, job_id=job_ids[i] if job_ids else None))
             jobs.append(Submitted(p, job_id, len(jobs) * p.spec.sampling.n))
             log.info(
                 "request.routed",

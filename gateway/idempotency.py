@@ -12,9 +12,11 @@ path and its JSON with sorted keys, so whitespace and key order do not matter). 
 passes through two states:
 
 * ``claimed``: one gateway won the key (``SET NX``, one round trip, so two gateways
-  racing with the same key enqueue one job) and is enqueueing; the record expires after
-  ``CLAIM_S`` plus the Redis outage allowance if that gateway dies first, and a request
-  that finds it waits for it to change;
+  racing with the same key enqueue one job) and is enqueueing the jobs the claim names
+  (their ids are chosen first); the record expires after ``CLAIM_S`` plus the Redis
+  outage allowance if that gateway dies first, and a request that finds it waits for it
+  to change, or attaches to the named jobs once they are all in RQ (a gateway killed
+  after enqueueing and before recording leaves them running);
 * ``submitted``: the jobs are enqueued; the record lasts ``KVPOOL_IDEMPOTENCY_TTL_S``.
 
 A request with the key and another body is a 409. One whose first attempt cannot be
@@ -173,7 +175,7 @@ async def submit_once(gw: Gateway, request: Request, prepared: list[Prepared], t
     digest = body_digest(request.url.path, await request.body())
     deadline = time.monotonic() + gw.settings.request_timeout_s
     while time.monotonic() < deadline:
-        mine = Record(state=KeyState.CLAIMED, body=digest, owner=uuid.uuid4().hex)
+        mine = Record(state=KeyState.CLAIMED, body=digest, owner=uuid.uuid4().hex, jobs=[str(uuid.uuid4()) for _ in prepared])
         if await records.claim(rkey, mine):
             return await _submit_claimed(gw, records, rkey, mine, prepared, tenant, "new")
         found = await records.get(rkey)
@@ -187,7 +189,7 @@ async def submit_once(gw: Gateway, request: Request, prepared: list[Prepared], t
                 param=HEADER,
                 code="idempotency_key_reused",
             )
-        if record.state is KeyState.CLAIMED:
+        if record.state is KeyState.CLAIMED and not await _claimed_jobs_enqueued(gw, record, prepared):
             await asyncio.sleep(POLL_S)  # another gateway is enqueueing the jobs
             continue
         if len(record.jobs) == len(prepared) and await aride_out(
@@ -197,6 +199,18 @@ async def submit_once(gw: Gateway, request: Request, prepared: list[Prepared], t
         if await records.swap(rkey, raw, mine):
             return await _submit_claimed(gw, records, rkey, mine, prepared, tenant, "rerun")
     raise Timeout(f"the request holding this {HEADER} did not enqueue its jobs in time; retry", code="timeout")
+
+
+async def _claimed_jobs_enqueued(gw: Gateway, record: Record, prepared: list[Prepared]) -> bool:
+    """Whether every job a claim names is in RQ: its gateway enqueued them, and may have died before recording so.
+
+    A claim names its jobs before they are enqueued, so a retry attaches to the jobs of a
+    gateway killed between enqueueing and recording, instead of running them a second time.
+    """
+    if len(record.jobs) != len(prepared):
+        return False
+    found = await aride_out(lambda: gw.aredis.exists(*(job_key(j) for j in record.jobs)), gw.settings.redis_outage_s, what="idempotency")
+    return int(found) == len(record.jobs)
 
 
 def _attach(record: Record, prepared: list[Prepared], tenant: Tenant) -> list[Submitted]:
@@ -213,7 +227,7 @@ async def _submit_claimed(
     """Enqueue under a claim we hold; record the jobs, or release the key if the request was refused."""
     held = mine.model_dump_json()
     try:
-        jobs = await submit_all(gw, prepared, tenant)
+        jobs = await submit_all(gw, prepared, tenant, mine.jobs)
     except BaseException:
         with anyio.CancelScope(shield=True):
             try:

@@ -213,3 +213,27 @@ def test_a_retry_after_the_job_failed_runs_anew(start_worker, start_gateway, red
     again = openai_client(gw).completions.create(**ask)
     assert again.model_extra["kvpool"]["worker"] == "large" and again.usage.completion_tokens == 8
     assert jobs_enqueued(redis_url) == 2 and outcomes(gw.url) == {"new": 1, "rerun": 1}
+
+
+def test_a_retry_attaches_to_the_job_of_a_gateway_killed_between_enqueueing_and_recording_it(counted, start_gateway, redis_url) -> None:
+    """A claim names its jobs before they are enqueued. Here the record is put back to ``claimed``, as a gateway
+    SIGKILLed after its enqueue and before its record leaves it: the retry attaches at once instead of waiting for
+    the claim to expire and running the prompt a second time (chaos caught that: a job that answered nobody)."""
+    from gateway.idempotency import record_key
+
+    g1, g2 = start_gateway(KVPOOL_N_CTX="4096"), start_gateway(KVPOOL_N_CTX="4096")
+    body = {"model": MODEL, "prompt": prompt_text(44, 60), "max_tokens": 16, "temperature": 0}
+    first = httpx.post(g1.url + "/v1/completions", json=body, headers={KEY: "killed-gateway"}, timeout=60)
+    assert first.status_code == 200, first.text
+    conn = redis.Redis.from_url(redis_url)
+    rkey = record_key("default", "killed-gateway")
+    record = json.loads(conn.get(rkey) or b"{}")
+    assert record["state"] == "submitted" and len(record["jobs"]) == 1
+    conn.set(rkey, json.dumps({**record, "state": "claimed"}), px=60_000)  # as the killed gateway left it
+    t0 = time.monotonic()
+    again = httpx.post(g2.url + "/v1/completions", json=body, headers={KEY: "killed-gateway"}, timeout=90)
+    assert again.status_code == 200, again.text
+    assert again.json()["id"] == first.json()["id"] and again.json()["choices"] == first.json()["choices"]
+    assert time.monotonic() - t0 < 10, "attached at once, not after the claim expired"
+    assert outcomes(g2.url) == {"attached": 1}
+    assert_jobs(redis_url, counted, 1)
