@@ -22,9 +22,9 @@ from worker.protocol import DoneEvent, ErrorEvent, JobSpec, Once, StartEvent, To
 from worker.redis_retry import RETRIED, backoff
 
 READ_BACKOFF_CAP_S = 0.5
+"""The longest wait between two reads of a job's events while Redis is away: the tokens wait for it once Redis is back."""
 STRANDED_S = 5.0
 """How long a job must be seen stranded (`requeue_stranded`) before it is put back: a live worker starts a job it popped within milliseconds."""
-"""The longest wait between two reads of a job's events while Redis is away: the tokens wait for it once Redis is back."""
 
 Event = StartEvent | TokenEvent | DoneEvent | ErrorEvent
 _EVENT = TypeAdapter(Event)

@@ -177,9 +177,10 @@ class PrefixFinder:
         if not n:
             return plan
         self.leases.release(claim)
-        max_wait = max(self.leases.min_wait_s, self.eval_rate.seconds_for(n * c, default_s=self.leases.lease_ms / 1000))
         if all(h in self.siblings for h in holders[:n]):
             max_wait = SIBLING_WAIT_S
+        else:
+            max_wait = max(self.leases.min_wait_s, self.eval_rate.seconds_for(n * c, default_s=self.leases.lease_ms / 1000))
         t0 = time.perf_counter()
         outcome = self.leases.wait(ahead[:n], max_wait)
         waited = time.perf_counter() - t0
