@@ -30,6 +30,7 @@ the autoscaler, and the first worker to start takes it.
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -44,7 +45,7 @@ from store.chain import chain_keys, namespace_key
 from store.errors import StoreUnavailable
 from store.index import RedisIndex
 from worker.advert import Advert, adverts
-from worker.client import queue_key, submit
+from worker.client import job_exists, queue_key, submit
 from worker.protocol import JobSpec, worker_queue
 from worker.redis_retry import ride_out
 
@@ -195,12 +196,29 @@ class Dispatcher:
         """Check capacity, route and enqueue, atomically within this gateway; returns the job id and the route taken.
 
         A Redis that is restarting is waited for, up to ``redis_outage_s``: a restart takes
-        about a second, and a request should not fail for it.
+        about a second, and a request should not fail for it. Redis may have run an enqueue
+        and lost only its reply, so the job id is fixed before the first try, and a try after
+        a failed one first looks for the job: a job is never enqueued twice.
         """
+        job_id = job_id or str(uuid.uuid4())
+        routed: list[Route] = []
 
         def admit() -> tuple[str, Route]:
             with self._admit:
-                return self._dispatch(spec, depends_on, job_id)
+                if routed and job_exists(self.conn, job_id):
+                    return job_id, routed[-1]
+                route = self._route(spec, depends_on)
+                routed.append(route)
+                submit(
+                    self.conn,
+                    spec,
+                    queue=route.queue,
+                    attempts=self.settings.job_attempts,
+                    timeout_s=self.settings.job_timeout_s,
+                    job_id=job_id,
+                    depends_on=depends_on,
+                )
+                return job_id, route
 
         return ride_out(admit, self.settings.redis_outage_s, what="dispatch")
 
@@ -215,7 +233,8 @@ class Dispatcher:
             job_id=job_id,
         )
 
-    def _dispatch(self, spec: JobSpec, depends_on: str | None, job_id: str | None) -> tuple[str, Route]:
+    def _route(self, spec: JobSpec, depends_on: str | None) -> Route:
+        """Admission (`Overloaded` when the pool cannot answer in time) and the queue the job goes to."""
         live = adverts(self.conn)
         ads = [a for a in live if a.serves(spec.model, spec.chunk_size)]
         if live and not ads:
@@ -259,13 +278,4 @@ class Dispatcher:
         if depends_on is not None:
             route = Route(self.settings.queue, RouteReason.BATCH_DEPENDENT)
         metrics.ROUTED.labels(route.reason).inc()
-        job = submit(
-            self.conn,
-            spec,
-            queue=route.queue,
-            attempts=self.settings.job_attempts,
-            timeout_s=self.settings.job_timeout_s,
-            job_id=job_id,
-            depends_on=depends_on,
-        )
-        return job.id, route
+        return route

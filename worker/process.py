@@ -10,7 +10,8 @@
 * SIGTERM: RQ's warm shutdown -- the current job finishes, then the process exits;
   jobs still waiting in its own queue are handed to the shared queue. With more than one
   sequence, each sequence's worker finishes its job and stops; an idle one stops at its
-  next heartbeat (within ``dequeue_timeout``, 5 s). While Redis is
+  next heartbeat (within ``dequeue_timeout``, 5 s). A stop while the process starts
+  ends it before it takes a job, exit 0 with nothing left registered. While Redis is
   unreachable there is no job to finish and nothing can be handed back: a stop request
   ends the wait for Redis at once and the process exits 0 (its advert expires, and the
   other workers move what waits in its queue).
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -78,6 +80,8 @@ class KvpoolWorker(SimpleWorker):
     stopping: bool = False
     waiting: bool = False
     """Between two attempts to reach Redis (`_wait_for_redis`)."""
+    booting: bool = False
+    """Inside RQ's `bootstrap`, where it registers the worker (`bootstrap`)."""
     health: Health | None = None
 
     def _install_signal_handlers(self) -> None:
@@ -97,7 +101,22 @@ class KvpoolWorker(SimpleWorker):
         if self.waiting:  # Redis is away: no job runs and nothing can be handed back, so the wait ends now
             log.info("worker.stop_requested", extra={"worker": self.name, "redis": "unreachable"})
             raise StopRequested()
+        if self.booting:  # RQ's handler would raise out of `work` before its teardown; its loop checks this first
+            self._stop_requested = True
+            return
         super().request_stop(signum, frame)
+
+    def bootstrap(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        """Take signals before registering. RQ installs its handlers only after `bootstrap`, while the
+        registration and the advert already say the worker is up: a SIGTERM in between killed the process."""
+        self.booting = True
+        self._install_signal_handlers()
+        if jobs.STOPPING.is_set():  # stopped while the process started (`_stop_while_starting`)
+            self.stopping = self._stop_requested = True
+        try:
+            super().bootstrap(*args, **kwargs)
+        finally:
+            self.booting = False
 
     def set_shutdown_requested_date(self) -> None:
         """RQ records a warm shutdown during a job for its dashboards; with Redis away that must not raise inside the job."""
@@ -267,7 +286,27 @@ def build_worker(settings: WorkerSettings, name: str) -> KvpoolWorker:
     return worker
 
 
+_SERVING = threading.Event()
+"""Set once the sequences' threads start: before, nothing is registered and a stop just ends the process."""
+
+
+def _stop_while_starting(signum, frame) -> None:  # type: ignore[no-untyped-def]
+    """SIGTERM or SIGINT before the main sequence's RQ worker takes signals (`KvpoolWorker.bootstrap`).
+
+    While the model loads no job is taken and nothing is registered, so the process ends (exit 0).
+    Once the threads run, each sequence stops as it starts, through RQ's teardown.
+    """
+    log.info("worker.stop_requested", extra={"phase": "serving" if _SERVING.is_set() else "loading"})
+    jobs.STOPPING.set()
+    for w in list(KvpoolWorker.live):
+        w.stopping = w._stop_requested = True
+    if not _SERVING.is_set():
+        raise SystemExit(0)
+
+
 def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_while_starting)
     health = Health(ping=redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1, socket_timeout=1).ping)
     if settings.metrics_port is not None:
         serve(health, settings.metrics_port)  # /healthz answers while the model loads
@@ -297,6 +336,7 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
         threading.Thread(target=_serve, args=(settings, w, e, None, burst), name=f"kvpool-{w.name}")
         for w, e in zip(workers[1:], engines[1:], strict=True)
     ]
+    _SERVING.set()
     for t in others:
         t.start()
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -17,6 +18,7 @@ from gateway.pool.procs import RedisServer
 from gateway.settings import GatewaySettings
 from store.chain import CacheFormat, Namespace
 from store.index import RedisIndex
+from tests.redis_faults import ReplyLosingProxy
 from worker.advert import Advert, Serving, advertise, withdraw
 from worker.protocol import JobSpec, job_spec
 
@@ -152,3 +154,21 @@ def test_a_prompt_cache_key_routes_to_one_worker_while_nobody_holds_the_prefix()
 def test_a_holder_wins_over_the_prompt_cache_key() -> None:
     route = choose([_ad("w1", []), _ad("w2", ["k1"])], ["k1", "k2"], {}, "shared", 0, route_key="any-key", key_max_queue=8)
     assert (route.reason, route.worker) == ("locality", "w2")
+
+
+@pytest.mark.parametrize("job_id", [None, "given-id"])
+def test_an_enqueue_redis_ran_but_never_answered_is_not_enqueued_again(redis_url: str, job_id: str | None) -> None:
+    """Redis ran the enqueue's transaction and the reply was lost: the retry finds the job instead of pushing it a second time."""
+    admin = redis.Redis.from_url(redis_url)
+    queue = f"kvpool:lost-reply-{job_id}"
+    settings = GatewaySettings(redis_url=redis_url, queue=queue, queue_without_workers=True, redis_outage_s=30)
+    with ReplyLosingProxy(urlsplit(redis_url).port or 6379) as proxy:
+        conn = redis.Redis(host="127.0.0.1", port=proxy.port, retry=Retry(NoBackoff(), 0))
+        dispatcher = Dispatcher(conn, settings)
+        proxy.only_with = b"$5\r\nRPUSH\r\n"  # RQ's enqueue: the job's hash and its id pushed on the queue, one transaction
+        proxy.armed.set()
+        got, route = dispatcher.dispatch(JobSpec(tokens=[1, 2, 3], chain=[], chunk_size=4, model="m", enqueued_at=0.0), job_id=job_id)
+        assert proxy.lost.is_set(), "the enqueue's reply never reached the dispatcher"
+    assert job_id in (None, got)
+    assert route.queue == queue
+    assert Queue(queue, connection=admin).get_job_ids() == [got], "the job is queued once, and no other job beside it"

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio
 
-from gateway.pool.procs import free_port
 from tests.helpers import poll
+from tests.redis_faults import ReplyLosingProxy
 from worker.client import aevents, events
 from worker.jobs import JobStream
 from worker.protocol import DoneEvent, JobResult, StartEvent, Timings, TokenEvent, Usage, cancel_key, stream_key
@@ -120,69 +119,6 @@ def test_closing_waits_for_the_write_in_flight_so_nothing_of_the_attempt_lands_a
     closer.join(30)
     assert not closer.is_alive()
     assert _texts(conn, "ended") == ["a"], "the write in flight landed before close returned"
-
-
-class ReplyLosingProxy:
-    """A TCP proxy in front of a real Redis that can drop the connection after Redis ran a transaction but before its reply reaches the client.
-
-    That is what a client sees of a Redis shut down (SIGTERM) between running a write and
-    writing its reply: the write is applied, and persisted, and the client gets a
-    connection error.
-    """
-
-    def __init__(self, redis_port: int) -> None:
-        self.redis_port = redis_port
-        self.port = free_port()
-        self.armed = threading.Event()
-        self.lost = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", self.port))
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.redis_port))
-            swallow = threading.Event()
-            threading.Thread(target=self._requests, args=(client, upstream, swallow), daemon=True).start()
-            threading.Thread(target=self._replies, args=(upstream, client, swallow), daemon=True).start()
-
-    def _requests(self, client: socket.socket, upstream: socket.socket, swallow: threading.Event) -> None:
-        while data := _recv(client):
-            if self.armed.is_set() and b"EXEC\r\n" in data:
-                self.armed.clear()
-                swallow.set()
-            upstream.sendall(data)
-        upstream.close()
-
-    def _replies(self, upstream: socket.socket, client: socket.socket, swallow: threading.Event) -> None:
-        seen = b""
-        while data := _recv(upstream):
-            if not swallow.is_set():
-                client.sendall(data)
-                continue
-            seen += data
-            if b"QUEUED\r\n*" in seen:  # EXEC's reply: the transaction ran
-                client.close()
-                upstream.close()
-                self.lost.set()
-                return
-        client.close()
-
-    def __enter__(self) -> ReplyLosingProxy:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._listener.close()
-
-
-def _recv(sock: socket.socket) -> bytes:
-    try:
-        return sock.recv(65536)
-    except OSError:
-        return b""
 
 
 async def _atexts(conn: redis.asyncio.Redis, job_id: str) -> list[str]:

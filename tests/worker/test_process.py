@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from rq import Queue
+from rq import Queue, Worker
 
 from gateway.pool.procs import RedisServer, WorkerProcess
 from tests.helpers import PoolClient, prompt_text
@@ -151,3 +151,25 @@ def test_sigterm_stops_a_worker_of_four_sequences_with_every_sequence_idle(start
     assert all(f"Worker w4.{i}: unsubscribing from channel" in log for i in range(4)), log[-2000:]  # RQ's teardown, each
     assert "batcher.totals" in log, "the engines closed: the context's batcher logged its totals"
     assert took < 15, f"stopped {took:.1f} s after SIGTERM"
+
+
+@pytest.mark.parametrize("moment", ["while_the_model_loads", "as_soon_as_it_advertises"])
+def test_sigterm_at_any_moment_of_start_up_exits_0_and_leaves_nothing_registered(pool_env, tmp_path: Path, moment: str) -> None:
+    """RQ takes signals only once it has registered the worker; a stop in between used to kill the process (-15)."""
+    w = WorkerProcess("w4", {**pool_env, "KVPOOL_PARALLEL": "4"}, tmp_path / "w4.log").spawn()
+    assert w.proc is not None
+    try:
+        deadline = time.monotonic() + 120
+        if moment == "while_the_model_loads":
+            while "worker.threads" not in w.log():  # logged just before the model is loaded
+                assert w.proc.poll() is None and time.monotonic() < deadline, w.log()[-2000:]
+                time.sleep(0.01)
+        else:
+            while not any(a.pid == w.proc.pid for a in adverts(w.conn)):
+                assert w.proc.poll() is None and time.monotonic() < deadline, w.log()[-2000:]
+        w.proc.send_signal(signal.SIGTERM)
+        assert w.proc.wait(timeout=30) == 0, w.log()[-2000:]
+    finally:
+        w.kill()
+    assert not {x.name for x in Worker.all(connection=w.conn)} & set(w.names), "RQ registrations left behind"
+    assert not any(a.pid == w.proc.pid for a in adverts(w.conn)), "an advert left behind"
