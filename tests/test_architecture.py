@@ -27,6 +27,7 @@ ENGINE_SIDE = {
     "worker.llama_state",
     "worker.kvchunks",
     "worker.process",
+    "worker.registration",
     "worker.publisher",
     "worker.selfcheck",
     "worker.leases",

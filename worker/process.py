@@ -37,7 +37,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
 import redis
@@ -46,29 +45,24 @@ from redis.retry import Retry
 from rq import Queue, SimpleWorker, worker_registration
 from rq.exceptions import StopRequested
 from rq.job import Job
-from rq.registry import StartedJobRegistry
 from rq.timeouts import TimerDeathPenalty
-from rq.utils import now, utcparse
 from rq.worker import WorkerStatus
 
 from store.errors import StoreError
 from store.store import Store
 from worker import jobs, metrics
-from worker.advert import Serving, advertise, adverts, withdraw
+from worker.advert import Serving, advertise, withdraw
 from worker.cpus import available_cpus, openmp_wait
 from worker.engine import Engine
 from worker.errors import WorkerNameTaken
 from worker.health import Health, self_check_outcome, serve
 from worker.models.fetch import resolve_model
-from worker.protocol import WORKER_QUEUE_PREFIX, slot_names, worker_queue
+from worker.protocol import slot_names, worker_queue
+from worker.registration import STALE_S, registration_is_stale, rescue_orphaned_queues
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("kvpool.worker")
 T = TypeVar("T")
-
-
-STALE_S = 30.0
-"""A registration whose last heartbeat is older than this belongs to a worker that is gone."""
 
 
 class KvpoolWorker(SimpleWorker):
@@ -143,7 +137,7 @@ class KvpoolWorker(SimpleWorker):
         info = self.connection.hgetall(self.key)
         if not info or b"death" in info:
             return
-        if not _registration_is_stale(info, self.hostname or "", STALE_S):
+        if not registration_is_stale(info, self.hostname or "", STALE_S):
             host, pid = info.get(b"hostname", b"?").decode(), info.get(b"pid", b"?").decode()
             raise WorkerNameTaken(
                 f"a live worker named {self.name!r} is registered (host {host}, pid {pid}); set another KVPOOL_WORKER_NAME"
@@ -222,58 +216,12 @@ class KvpoolWorker(SimpleWorker):
             log.warning("rescue.failed", extra={"reason": str(e)})
 
 
-def rescue_orphaned_queues(conn: redis.Redis, shared: Queue) -> int:
-    """Move jobs from the private queues of workers that are gone (their advert expired) to the shared queue."""
-    alive = {a.worker for a in adverts(conn)}
-    moved = 0
-    for q in Queue.all(connection=conn):
-        if not q.name.startswith(WORKER_QUEUE_PREFIX) or q.name[len(WORKER_QUEUE_PREFIX) :] in alive:
-            continue
-        StartedJobRegistry(queue=q).cleanup()
-        for job_id in q.get_job_ids():
-            job = Job.fetch(job_id, connection=conn)
-            q.remove(job_id)
-            job.origin = shared.name
-            job.save()
-            shared.enqueue_job(job)
-            moved += 1
-        if moved:
-            log.info("rescue.moved", extra={"from": q.name, "jobs": moved})
-    return moved
-
-
 def open_store(settings: WorkerSettings) -> Store | None:
     try:
         return Store.open(settings)
     except StoreError as e:
         log.error("store.unavailable_at_start", extra={"reason": str(e)})
         return None
-
-
-def _registration_is_stale(info: dict[bytes, bytes], hostname: str, stale_s: float) -> bool:
-    """Whether an RQ worker registration belongs to a process that is gone."""
-    pid = int(info.get(b"pid", b"0") or 0)
-    if info.get(b"hostname", b"").decode() == hostname and (pid == os.getpid() or not _pid_alive(pid)):
-        return True  # this host's process table is the authority; a pid equal to ours is a restarted container
-    beat = info.get(b"last_heartbeat")
-    if not beat:
-        return True
-    return (now() - utcparse(beat.decode())).total_seconds() > stale_s
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def build_worker(settings: WorkerSettings, name: str) -> KvpoolWorker:
