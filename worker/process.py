@@ -234,22 +234,19 @@ def build_worker(settings: WorkerSettings, name: str) -> KvpoolWorker:
     return worker
 
 
-_SERVING = threading.Event()
-"""Set once the sequences' threads start: before, nothing is registered and a stop just ends the process."""
-
-
 def _stop_while_starting(signum, frame) -> None:  # type: ignore[no-untyped-def]
     """SIGTERM or SIGINT before the main sequence's RQ worker takes signals (`KvpoolWorker.bootstrap`).
 
-    While the model loads no job is taken and nothing is registered, so the process ends (exit 0).
-    Once the threads run, each sequence stops as it starts, through RQ's teardown.
+    The stop is noted, not raised: the batcher's thread may be running the start-up checks in
+    the context, which must be closed, not freed under it. A worker still loading stops once
+    its engines are built, having taken no job and registered nothing (`run_worker`); one
+    waiting for Redis stops at once (`_wait_for_redis`); a sequence already started stops as
+    it starts, through RQ's teardown.
     """
-    log.info("worker.stop_requested", extra={"phase": "serving" if _SERVING.is_set() else "loading"})
+    log.info("worker.stop_requested", extra={"phase": "starting"})
     jobs.STOPPING.set()
     for w in list(KvpoolWorker.live):
         w.stopping = w._stop_requested = True
-    if not _SERVING.is_set():
-        raise SystemExit(0)
 
 
 def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
@@ -258,6 +255,32 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
     health = Health(ping=redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1, socket_timeout=1).ping)
     if settings.metrics_port is not None:
         serve(health, settings.metrics_port)  # /healthz answers while the model loads
+    try:
+        workers, engines = _start(settings, health)
+    except StopRequested:  # stopped while Redis was unreachable
+        log.info("worker.stopped", extra={"phase": "starting", "redis": "unreachable"})
+        return
+    others = [
+        threading.Thread(target=_serve, args=(settings, w, e, None, burst), name=f"kvpool-{w.name}")
+        for w, e in zip(workers[1:], engines[1:], strict=True)
+    ]
+    try:
+        if jobs.STOPPING.is_set():  # stopped while the model loaded
+            log.info("worker.stopped", extra={"phase": "starting"})
+            return
+        for t in others:
+            t.start()
+        _serve(settings, workers[0], engines[0], health, burst)
+    finally:
+        for t in others:
+            if t.is_alive():
+                t.join()
+        for e in reversed(engines):  # the first opened the context: it closes last
+            e.close()
+
+
+def _start(settings: WorkerSettings, health: Health) -> tuple[list[KvpoolWorker], list[Engine]]:
+    """The sequences' RQ workers (their names claimed) and engines (the model loaded, the start-up checks run)."""
     names = slot_names(settings.worker_name or f"{socket.gethostname()}-{os.getpid()}", settings.parallel)
     workers = [_wait_for_redis(lambda n=n: build_worker(settings, n)) for n in names]
     for w in workers:
@@ -280,20 +303,7 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
         engine.kv.cuttable or engine.checkpoints is not None, settings.self_check, engine.restore_enabled, engine.exact
     )
     health.model_loaded(self_check=outcome, passed=passed, identity={"layout": engine.layout.canonical(), **engine.identity()})
-    others = [
-        threading.Thread(target=_serve, args=(settings, w, e, None, burst), name=f"kvpool-{w.name}")
-        for w, e in zip(workers[1:], engines[1:], strict=True)
-    ]
-    _SERVING.set()
-    for t in others:
-        t.start()
-    try:
-        _serve(settings, workers[0], engine, health, burst)
-    finally:
-        for t in others:
-            t.join()
-        for e in reversed(engines):  # the first opened the context: it closes last
-            e.close()
+    return workers, engines
 
 
 def _serve(settings: WorkerSettings, worker: KvpoolWorker, engine: Engine, health: Health | None, burst: bool) -> None:
@@ -344,7 +354,8 @@ def _wait_for_redis(call: Callable[[], T], worker: KvpoolWorker | None = None, m
 
     A stop request to ``worker`` ends the wait at once with `StopRequested`: raised by the
     signal handler during a back-off, or here at the next failure when the signal came
-    during an attempt (RQ's own warm shutdown then failed on the unreachable Redis).
+    during an attempt (RQ's own warm shutdown then failed on the unreachable Redis). A
+    stop while the process starts (`_stop_while_starting`) ends it at the next failure.
     """
     retry = Retry(ExponentialBackoff(cap=max_wait_s, base=0.125), -1, (redis.ConnectionError, redis.TimeoutError))
 
@@ -353,7 +364,7 @@ def _wait_for_redis(call: Callable[[], T], worker: KvpoolWorker | None = None, m
         return call()
 
     def failed(e: Exception) -> None:
-        if worker is not None and worker.stopping:
+        if jobs.STOPPING.is_set() or (worker is not None and worker.stopping):
             raise StopRequested()
         log.warning("redis.unavailable", extra={"reason": str(e)})
         _set_waiting(worker, True)

@@ -13,7 +13,7 @@ import pytest
 import redis
 from rq import Queue, Worker
 
-from gateway.pool.procs import RedisServer, WorkerProcess
+from gateway.pool.procs import RedisServer, WorkerProcess, free_port
 from tests.helpers import PoolClient, prompt_text
 from worker.advert import adverts
 from worker.protocol import stream_key, worker_queue
@@ -173,3 +173,15 @@ def test_sigterm_at_any_moment_of_start_up_exits_0_and_leaves_nothing_registered
         w.kill()
     assert not {x.name for x in Worker.all(connection=w.conn)} & set(w.names), "RQ registrations left behind"
     assert not any(a.pid == w.proc.pid for a in adverts(w.conn)), "an advert left behind"
+
+
+def test_sigterm_while_a_starting_worker_waits_for_redis_exits_0_at_once(pool_env, tmp_path: Path) -> None:
+    """Redis is not there yet when the worker starts: it waits, and a stop ends that wait rather than being ignored."""
+    gone = f"redis://127.0.0.1:{free_port()}/0"
+    w = WorkerProcess("w1", {**pool_env, "KVPOOL_REDIS_URL": gone}, tmp_path / "w1.log").spawn()
+    try:
+        _log_shows(w, "redis.unavailable")
+        assert _terminate(w, timeout_s=20) == 0, w.log()[-2000:]
+        assert "worker.stopped" in w.log() and "worker.threads" not in w.log(), "stopped before loading the model"
+    finally:
+        w.kill()
