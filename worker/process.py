@@ -105,8 +105,6 @@ class KvpoolWorker(SimpleWorker):
         registration and the advert already say the worker is up: a SIGTERM in between killed the process."""
         self.booting = True
         self._install_signal_handlers()
-        if jobs.STOPPING.is_set():  # stopped while the process started (`_stop_while_starting`)
-            self.stopping = self._stop_requested = True
         try:
             super().bootstrap(*args, **kwargs)
         finally:
