@@ -28,6 +28,7 @@ ENGINE_SIDE = {
     "worker.kvchunks",
     "worker.process",
     "worker.registration",
+    "worker.stopping",
     "worker.publisher",
     "worker.selfcheck",
     "worker.leases",

@@ -114,7 +114,8 @@ def worker_command(settings: WorkerSettings, burst: bool) -> None:
 
     quiet_openmp()  # before llama_cpp, and with it the OpenMP runtime, is loaded
     from worker.models.fetch import ModelChecksumError
-    from worker.process import WorkerNameTaken, run_worker
+    from worker.errors import WorkerNameTaken
+    from worker.process import run_worker
 
     try:
         run_worker(settings, burst=burst)

@@ -7,10 +7,11 @@
   worker dies (SIGKILL) the job is seen as abandoned within seconds and retried by
   another worker (RQ's retries; `job_attempts` in all). Jobs left in the private queue
   of a dead worker are moved to the shared queue.
-* SIGTERM: RQ's warm shutdown -- the current job finishes, then the process exits;
-  jobs still waiting in its own queue are handed to the shared queue. With more than one
-  sequence, each sequence's worker finishes its job and stops; an idle one stops at its
-  next heartbeat (within ``dequeue_timeout``, 5 s). A stop while the process starts
+* SIGTERM: a warm shutdown -- the current job finishes, then the process exits; jobs
+  still waiting in its own queue are handed to the shared queue. The stop is a flag of
+  every sequence's RQ worker, checked before each pop and before a popped job starts;
+  a wait for a job is woken at once (`worker.stopping`), so an idle worker of any
+  number of sequences exits within a second or two. A stop while the process starts
   ends it before it takes a job, exit 0 with nothing left registered. While Redis is
   unreachable there is no job to finish and nothing can be handed back: a stop request
   ends the wait for Redis at once and the process exits 0 (its advert expires, and the
@@ -42,7 +43,7 @@ from typing import TypeVar
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
-from rq import Queue, SimpleWorker, worker_registration
+from rq import Queue, SimpleWorker
 from rq.exceptions import StopRequested
 from rq.job import Job
 from rq.timeouts import TimerDeathPenalty
@@ -54,12 +55,12 @@ from worker import jobs, metrics
 from worker.advert import Serving, advertise, withdraw
 from worker.cpus import available_cpus, openmp_wait
 from worker.engine import Engine
-from worker.errors import WorkerNameTaken
 from worker.health import Health, self_check_outcome, serve
 from worker.models.fetch import resolve_model
 from worker.protocol import slot_names, worker_queue
-from worker.registration import STALE_S, registration_is_stale, rescue_orphaned_queues
+from worker.registration import claim_name, rescue_orphaned_queues
 from worker.settings import WorkerSettings
+from worker.stopping import PUBSUB_WAIT_S, StopAwareQueue, client_name, push_back, wake
 
 log = logging.getLogger("kvpool.worker")
 T = TypeVar("T")
@@ -68,14 +69,13 @@ T = TypeVar("T")
 class KvpoolWorker(SimpleWorker):
     live: set[KvpoolWorker] = set()
     """This process's RQ workers, one per sequence (`worker.slots`): a stop request reaches all of them."""
+    queue_class = StopAwareQueue
     heartbeat_s: float = 2.0
     engine: Engine | None = None
     busy: bool = False
     stopping: bool = False
     waiting: bool = False
     """Between two attempts to reach Redis (`_wait_for_redis`)."""
-    booting: bool = False
-    """Inside RQ's `bootstrap`, where it registers the worker (`bootstrap`)."""
     health: Health | None = None
 
     def _install_signal_handlers(self) -> None:
@@ -86,29 +86,42 @@ class KvpoolWorker(SimpleWorker):
             self.death_penalty_class = TimerDeathPenalty  # SIGALRM reaches only the main thread
 
     def request_stop(self, signum, frame):  # type: ignore[no-untyped-def]
-        self.stopping = True
+        """A warm stop of every sequence's worker: flags, and their waits for a job woken (`worker.stopping`)."""
         jobs.STOPPING.set()
-        for other in list(KvpoolWorker.live - {self}):  # the other sequences' workers: finish the job, then stop
-            other.stopping = other._stop_requested = True
+        everyone = list(KvpoolWorker.live | {self})
+        for w in everyone:
+            w.stopping = w._stop_requested = True
         if self.health is not None:
             self.health.stopping()
         if self.waiting:  # Redis is away: no job runs and nothing can be handed back, so the wait ends now
             log.info("worker.stop_requested", extra={"worker": self.name, "redis": "unreachable"})
             raise StopRequested()
-        if self.booting:  # RQ's handler would raise out of `work` before its teardown; its loop checks this first
-            self._stop_requested = True
-            return
-        super().request_stop(signum, frame)
+        super().request_stop(signum, frame)  # RQ's: a second signal is a cold shutdown
+        try:
+            wake(self.connection, [w.name for w in everyone])
+        except redis.RedisError:  # away: RQ's loop sleeps between tries and pops nothing
+            if not self.busy:
+                raise StopRequested() from None
+
+    def _shutdown(self) -> None:
+        """RQ's raises `StopRequested` from the signal handler when the worker is idle, wherever the main thread
+        is, even just after a pop; here the stop is the flag `request_stop` set, seen before the next pop."""
+        if self.busy:
+            self.set_shutdown_requested_date()
+
+    def subscribe(self) -> None:
+        """RQ's, with a pubsub thread that looks at its stop flag every `PUBSUB_WAIT_S` (RQ's 60 s held a stop up)."""
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(
+            sleep_time=PUBSUB_WAIT_S, daemon=True, exception_handler=self._pubsub_exception_handler
+        )
 
     def bootstrap(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         """Take signals before registering. RQ installs its handlers only after `bootstrap`, while the
         registration and the advert already say the worker is up: a SIGTERM in between killed the process."""
-        self.booting = True
         self._install_signal_handlers()
-        try:
-            super().bootstrap(*args, **kwargs)
-        finally:
-            self.booting = False
+        super().bootstrap(*args, **kwargs)
 
     def set_shutdown_requested_date(self) -> None:
         """RQ records a warm shutdown during a job for its dashboards; with Redis away that must not raise inside the job."""
@@ -132,19 +145,7 @@ class KvpoolWorker(SimpleWorker):
 
     def claim_name(self) -> None:
         """Clear the registration a dead worker of this name left behind; refuse if that worker lives."""
-        info = self.connection.hgetall(self.key)
-        if not info or b"death" in info:
-            return
-        if not registration_is_stale(info, self.hostname or "", STALE_S):
-            host, pid = info.get(b"hostname", b"?").decode(), info.get(b"pid", b"?").decode()
-            raise WorkerNameTaken(
-                f"a live worker named {self.name!r} is registered (host {host}, pid {pid}); set another KVPOOL_WORKER_NAME"
-            )
-        with self.connection.pipeline() as pipe:
-            pipe.delete(self.key)
-            worker_registration.unregister(self, pipe)
-            pipe.execute()
-        log.warning("worker.stale_registration_cleared", extra={"worker": self.name, "pid": info.get(b"pid", b"").decode()})
+        claim_name(self)
 
     def register_birth(self) -> None:
         self.claim_name()
@@ -165,12 +166,13 @@ class KvpoolWorker(SimpleWorker):
             )
 
     def heartbeat(self, timeout: int | None = None, pipeline=None):  # type: ignore[no-untyped-def]
-        """Also where an idle worker of a thread stops: RQ stops a worker from its signal handler, which runs in
-        the main thread only, and its wait for a job in another thread checks no stop request, so that worker
-        would wait for jobs (and take new ones) until killed. Its wait heartbeats every ``dequeue_timeout``."""
-        if pipeline is None and self._stop_requested and not self.busy:
-            raise StopRequested()
-        super().heartbeat(timeout, pipeline)
+        """An idle worker asked to stop while Redis is away stops here (`worker.stopping`)."""
+        try:
+            super().heartbeat(timeout, pipeline)
+        except (redis.ConnectionError, redis.TimeoutError):
+            if pipeline is None and self._stop_requested and not self.busy:
+                raise StopRequested() from None
+            raise
         if pipeline is None and not self.busy:
             self.advertise(busy=False)
 
@@ -178,6 +180,9 @@ class KvpoolWorker(SimpleWorker):
         return int(self.heartbeat_s * 3) + 2
 
     def execute_job(self, job: Job, queue: Queue) -> None:
+        if self._stop_requested:  # popped as the stop came: another worker runs it
+            push_back(job, queue)
+            raise StopRequested()
         execution = self.prepare_execution(job)
         self.busy = True
         if self.engine is not None:
@@ -200,10 +205,10 @@ class KvpoolWorker(SimpleWorker):
         finally:
             done.set()
             thread.join()
+            self.busy = False
+            if self.engine is not None:
+                metrics.BUSY.labels(**self.engine.labels).dec()
         self.set_state(WorkerStatus.IDLE)
-        self.busy = False
-        if self.engine is not None:
-            metrics.BUSY.labels(**self.engine.labels).dec()
         self.advertise(busy=False)
 
     def run_maintenance_tasks(self) -> None:
@@ -224,8 +229,10 @@ def open_store(settings: WorkerSettings) -> Store | None:
 
 def build_worker(settings: WorkerSettings, name: str) -> KvpoolWorker:
     """The RQ worker of one sequence; the model is not loaded yet."""
-    conn = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=settings.connect_timeout_s, health_check_interval=10)
-    queues = [Queue(worker_queue(name), connection=conn), Queue(settings.queue, connection=conn)]
+    conn = redis.Redis.from_url(
+        settings.redis_url, socket_connect_timeout=settings.connect_timeout_s, health_check_interval=10, client_name=client_name(name)
+    )
+    queues = [StopAwareQueue(worker_queue(name), connection=conn), StopAwareQueue(settings.queue, connection=conn)]
     worker = KvpoolWorker(queues, connection=conn, name=name, worker_ttl=20, maintenance_interval=5, log_job_description=False)
     worker.heartbeat_s = settings.heartbeat_s
     KvpoolWorker.live.add(worker)

@@ -1,8 +1,7 @@
 """What a worker leaves in Redis when it dies, and how the living recognise and clear it.
 
 * Its RQ registration: `registration_is_stale` says whether it belongs to a process that
-  is gone, so that a worker restarted under the same name starts at once
-  (`worker.process.KvpoolWorker.claim_name`).
+  is gone, so that a worker restarted under the same name starts at once (`claim_name`).
 * Its private queue: `rescue_orphaned_queues` moves the jobs of a worker whose advert
   expired to the shared queue (every worker's maintenance, and a stopping worker).
 """
@@ -14,12 +13,13 @@ import os
 from pathlib import Path
 
 import redis
-from rq import Queue
+from rq import Queue, Worker, worker_registration
 from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.utils import now, utcparse
 
 from worker.advert import adverts
+from worker.errors import WorkerNameTaken
 from worker.protocol import WORKER_QUEUE_PREFIX
 
 log = logging.getLogger("kvpool.worker")
@@ -72,3 +72,18 @@ def rescue_orphaned_queues(conn: redis.Redis, shared: Queue) -> int:
         if moved:
             log.info("rescue.moved", extra={"from": q.name, "jobs": moved})
     return moved
+
+
+def claim_name(worker: Worker) -> None:
+    """Clear the registration a dead worker of ``worker``'s name left behind; `WorkerNameTaken` if that worker lives."""
+    info = worker.connection.hgetall(worker.key)
+    if not info or b"death" in info:
+        return
+    if not registration_is_stale(info, worker.hostname or "", STALE_S):
+        host, pid = info.get(b"hostname", b"?").decode(), info.get(b"pid", b"?").decode()
+        raise WorkerNameTaken(f"a live worker named {worker.name!r} is registered (host {host}, pid {pid}); set another KVPOOL_WORKER_NAME")
+    with worker.connection.pipeline() as pipe:
+        pipe.delete(worker.key)
+        worker_registration.unregister(worker, pipe)
+        pipe.execute()
+    log.warning("worker.stale_registration_cleared", extra={"worker": worker.name, "pid": info.get(b"pid", b"").decode()})
