@@ -113,8 +113,8 @@ def worker_command(settings: WorkerSettings, burst: bool) -> None:
     from worker.cpus import quiet_openmp
 
     quiet_openmp()  # before llama_cpp, and with it the OpenMP runtime, is loaded
-    from worker.models.fetch import ModelChecksumError
     from worker.errors import WorkerNameTaken
+    from worker.models.fetch import ModelChecksumError
     from worker.process import run_worker
 
     try:
