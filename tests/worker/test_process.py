@@ -172,6 +172,21 @@ def test_sigterm_stops_an_idle_worker_of_four_sequences_within_10_s(start_worker
         assert not {x.name for x in Worker.all(connection=w.conn)} & set(w.names), "RQ registrations left behind"
 
 
+def test_sigterm_with_a_job_running_on_one_of_four_sequences_exits_within_10_s_of_its_answer(start_worker, client: PoolClient) -> None:
+    w = start_worker("s", KVPOOL_PARALLEL="4")
+    never_stop = {client.vocab.token_eos(): -100.0}
+    job = client.submit(client.spec(client.tokens(prompt_text(47, 40)), max_tokens=1500, logit_bias=never_stop), worker="s.2")
+    deadline = time.monotonic() + 30
+    while not client.conn.xlen(stream_key(job)) > 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert w.proc is not None
+    w.proc.send_signal(signal.SIGTERM)
+    out = client.collect(job, timeout_s=120)
+    assert out.result is not None and out.result.usage.completion_tokens == 1500, "warm shutdown: the job in hand finished"
+    assert w.proc.wait(timeout=10) == 0, w.log()[-2000:]
+
+
 @pytest.mark.parametrize("moment", ["while_the_model_loads", "as_soon_as_it_advertises"])
 def test_sigterm_at_any_moment_of_start_up_exits_0_and_leaves_nothing_registered(pool_env, tmp_path: Path, moment: str) -> None:
     """RQ takes signals only once it has registered the worker; a stop in between used to kill the process (-15)."""
