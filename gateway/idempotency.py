@@ -14,7 +14,7 @@ passes through two states:
 * ``claimed``: one gateway won the key (``SET NX``, one round trip, so two gateways
   racing with the same key enqueue one job) and is enqueueing the jobs the claim names
   (their ids are chosen first); the record expires after ``CLAIM_S`` plus the Redis
-  outage allowance if that gateway dies first, and a request that finds it waits for it
+  outage allowance and the wait for a starting pool if that gateway dies first, and a request that finds it waits for it
   to change, or attaches to the named jobs once they are all in RQ (a gateway killed
   after enqueueing and before recording leaves them running);
 * ``submitted``: the jobs are enqueued; the record lasts ``KVPOOL_IDEMPOTENCY_TTL_S``.
@@ -119,7 +119,7 @@ class Records:
         self.aredis = aredis
         self.outage_s = settings.redis_outage_s
         self.ttl_ms = int(settings.idempotency_window_s() * 1000)
-        self.claim_ms = int((CLAIM_S + settings.redis_outage_s) * 1000)
+        self.claim_ms = int((CLAIM_S + settings.redis_outage_s + settings.start_wait_s) * 1000)  # a starting pool is waited for
         self._swap = aredis.register_script(_SWAP)
 
     async def claim(self, key: str, record: Record) -> bool:

@@ -60,6 +60,7 @@ from worker.models.fetch import resolve_model
 from worker.protocol import slot_names, worker_queue
 from worker.registration import STALE_S, registration_is_stale, rescue_orphaned_queues
 from worker.settings import WorkerSettings
+from worker.starting import StartingNotice
 
 log = logging.getLogger("kvpool.worker")
 T = TypeVar("T")
@@ -254,7 +255,8 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
     if settings.metrics_port is not None:
         serve(health, settings.metrics_port)  # /healthz answers while the model loads
     try:
-        workers, engines = _start(settings, health)
+        with StartingNotice(settings.redis_url):  # until its first advert, the pool sees it as starting
+            workers, engines = _start(settings, health)
     except StopRequested:  # stopped while Redis was unreachable
         log.info("worker.stopped", extra={"phase": "starting", "redis": "unreachable"})
         return
