@@ -116,11 +116,15 @@ class StartingPool:
                 metrics.REJECTED.labels(RejectReason.NO_WORKER).inc()
                 if state is PoolState.DOWN:
                     raise
-                loading = f"; {view.starting} worker(s) loading" if view is not None and view.starting else ""
-                raise NoLiveWorker(
-                    f"no live worker is serving this pool yet: it is starting, and no worker became live within "
-                    f"{time.perf_counter() - t0:.1f} s (KVPOOL_START_WAIT_S){loading}; retry shortly",
-                ) from e
+                raise self._still_starting(time.perf_counter() - t0, view) from e
+
+    def _still_starting(self, waited_s: float, view: PoolView | None) -> NoLiveWorker:
+        bound = "KVPOOL_START_WAIT_S" if self.settings.start_wait_s <= self.settings.request_timeout_s else "KVPOOL_REQUEST_TIMEOUT_S"
+        loading = f"; {view.starting} worker(s) loading" if view is not None and view.starting else ""
+        return NoLiveWorker(
+            f"no live worker is serving this pool yet: it is starting, and no worker became live within {waited_s:.1f} s "
+            f"({bound}){loading}; retry shortly"
+        )
 
     async def models_unavailable(self) -> APIError | None:
         """Why ``/v1/models`` answers 503 now (no worker can take a job, as llama-server while its model loads), or None."""
