@@ -254,8 +254,9 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
     health = Health(ping=redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1, socket_timeout=1).ping)
     if settings.metrics_port is not None:
         serve(health, settings.metrics_port)  # /healthz answers while the model loads
+    notice = StartingNotice(settings.redis_url)
     try:
-        with StartingNotice(settings.redis_url):  # until its first advert, the pool sees it as starting
+        with notice:  # until its first advert, the pool sees it as starting
             workers, engines = _start(settings, health)
     except StopRequested:  # stopped while Redis was unreachable
         log.info("worker.stopped", extra={"phase": "starting", "redis": "unreachable"})
@@ -266,6 +267,7 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
     ]
     try:
         if jobs.STOPPING.is_set():  # stopped while the model loaded
+            notice.withdraw()
             log.info("worker.stopped", extra={"phase": "starting"})
             return
         for t in others:

@@ -29,7 +29,7 @@ REFRESH_S = LIVE_S / 4
 
 
 class StartingNotice:
-    """``with StartingNotice(redis_url):`` announces this process as starting until the block ends; withdrawn if it raises."""
+    """``with StartingNotice(redis_url):`` announces this process as starting until the block ends, and withdraws it if the block raises."""
 
     def __init__(self, redis_url: str) -> None:
         self.conn = redis.Redis.from_url(redis_url, socket_connect_timeout=1, socket_timeout=1)
@@ -54,8 +54,11 @@ class StartingNotice:
         self.done.set()
         self.thread.join()
         if kind is not None:  # not starting any more; a worker that starts leaves it to its first advert
-            try:
-                withdraw_starting(self.conn, self.host, self.pid)
-            except redis.RedisError:
-                pass
-        self.conn.close()
+            self.withdraw()
+
+    def withdraw(self) -> None:
+        """This process is not starting any more (it failed, or was stopped while it loaded)."""
+        try:
+            withdraw_starting(self.conn, self.host, self.pid)
+        except redis.RedisError:
+            pass  # it stops counting as starting within `LIVE_S`

@@ -15,7 +15,7 @@ from rq import Queue, Worker
 
 from gateway.pool.procs import RedisServer, WorkerProcess, free_port
 from tests.helpers import PoolClient, prompt_text
-from worker.advert import adverts
+from worker.advert import STARTING_KEY, adverts
 from worker.protocol import stream_key, worker_queue
 
 KVPOOL = str(Path(sys.executable).parent / "kvpool")
@@ -173,6 +173,7 @@ def test_sigterm_at_any_moment_of_start_up_exits_0_and_leaves_nothing_registered
         w.kill()
     assert not {x.name for x in Worker.all(connection=w.conn)} & set(w.names), "RQ registrations left behind"
     assert not any(a.pid == w.proc.pid for a in adverts(w.conn)), "an advert left behind"
+    assert not w.conn.hlen(STARTING_KEY), "its announcement as starting left behind: a gateway would wait for it"
 
 
 def test_sigterm_while_a_starting_worker_waits_for_redis_exits_0_at_once(pool_env, tmp_path: Path) -> None:
