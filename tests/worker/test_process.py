@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,8 +15,8 @@ import redis
 from rq import Queue, Worker
 
 from gateway.pool.procs import RedisServer, WorkerProcess, free_port
-from tests.helpers import PoolClient, prompt_text
-from worker.advert import STARTING_KEY, adverts
+from tests.helpers import PoolClient, poll, prompt_text
+from worker.advert import STARTING_KEY, adverts, process_key
 from worker.protocol import stream_key, worker_queue
 
 KVPOOL = str(Path(sys.executable).parent / "kvpool")
@@ -151,6 +152,21 @@ def test_sigterm_stops_a_worker_of_four_sequences_with_every_sequence_idle(start
     assert all(f"Worker w4.{i}: unsubscribing from channel" in log for i in range(4)), log[-2000:]  # RQ's teardown, each
     assert "batcher.totals" in log, "the engines closed: the context's batcher logged its totals"
     assert took < 15, f"stopped {took:.1f} s after SIGTERM"
+
+
+def test_a_starting_worker_announces_itself_until_its_first_advert(pool_env, tmp_path: Path) -> None:
+    """A gateway tells a pool still loading its workers from one whose workers died by these announcements (`worker.starting`)."""
+    w = WorkerProcess("w1", pool_env, tmp_path / "w1.log").spawn()
+    assert w.proc is not None
+    try:
+        mine = process_key(socket.gethostname(), w.proc.pid)
+        assert w.conn.hexists(STARTING_KEY, mine), "announced by its spawner, before Python has started"
+        w.conn.delete(STARTING_KEY)  # what follows is the worker's own announcement
+        poll(lambda: w.conn.hexists(STARTING_KEY, mine), "the worker to announce itself while its model loads")
+        w.wait_ready()
+        assert not w.conn.hexists(STARTING_KEY, mine), "its first advert ends the announcement"
+    finally:
+        w.kill()
 
 
 @pytest.mark.parametrize("moment", ["while_the_model_loads", "as_soon_as_it_advertises"])
