@@ -84,34 +84,35 @@ class StartingPool:
         Its first look is its own (what another request read a moment ago may be older than
         this request's refusal); the next ones share one read every `POLL_S`.
         """
-        fresh = True
+        first = True
         while True:
+            view: PoolView | None = None
             try:
-                view: PoolView | None = await self.view(fresh=fresh)
-                state = self.state(view)  # type: ignore[arg-type]
+                view = await self.view(fresh=first)
+                state = self.state(view)
             except redis.RedisError:  # Redis away: the dispatch after the wait rides it out, or says so
-                view, state = None, PoolState.STARTING
-            fresh = False
+                state = PoolState.STARTING
             left = until - time.perf_counter()
             if state is not PoolState.STARTING or left <= 0:
                 return state, view
+            if first:
+                log.info("request.waiting_for_worker", extra={"wait_s": round(left, 3), "starting": view.starting if view else None})
+                first = False
             await asyncio.sleep(min(POLL_S, left))
 
     async def dispatch(self, spec: JobSpec, job_id: str | None, t0: float) -> tuple[str, Route]:
         """`Dispatcher.dispatch`, waiting for a worker while the pool is starting; ``t0`` is when the request arrived."""
         until = t0 + min(self.settings.start_wait_s, self.settings.request_timeout_s)
-        state: PoolState | None = None
+        live_before = False
         while True:
             try:
                 return await run_in_threadpool(partial(self.dispatcher.dispatch, spec, job_id=job_id, count_no_worker=False))
             except NoLiveWorker as e:
-                if self.settings.start_wait_s <= 0:
-                    state, view = PoolState.DOWN, None
-                else:
-                    if state is None:
-                        log.info("request.waiting_for_worker", extra={"job": job_id, "wait_s": until - t0})
-                    state, view = await self.wait(until)
-                if state is PoolState.LIVE:
+                state, view = (PoolState.DOWN, None) if self.settings.start_wait_s <= 0 else await self.wait(until)
+                if state is PoolState.LIVE and not (live_before and time.perf_counter() >= until):
+                    if live_before:  # live, yet refused again (the worker went in between): not in a tight loop
+                        await asyncio.sleep(POLL_S)
+                    live_before = True
                     continue
                 metrics.REJECTED.labels(RejectReason.NO_WORKER).inc()
                 if state is PoolState.DOWN:
