@@ -21,9 +21,9 @@ BODY = {"model": MODEL, "prompt": "first words", "max_tokens": 4}
 MESSAGE = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 
 
-def send_in_background(url: str, path: str, body: dict) -> tuple[threading.Thread, list[httpx.Response]]:
+def send_in_background(url: str, path: str, body: dict, **headers: str) -> tuple[threading.Thread, list[httpx.Response]]:
     answers: list[httpx.Response] = []
-    sender = threading.Thread(target=lambda: answers.append(httpx.post(url + path, json=body, timeout=120)))
+    sender = threading.Thread(target=lambda: answers.append(httpx.post(url + path, json=body, headers=headers, timeout=120)))
     sender.start()
     return sender, answers
 
@@ -73,6 +73,21 @@ def test_a_pool_restarting_its_workers_waits_for_them(start_worker, start_gatewa
         assert redis.Redis.from_url(redis_url).hlen(STARTING_KEY) == 0, "its first advert ends the announcement"
     finally:
         again.kill()
+
+
+def test_a_request_with_an_idempotency_key_keeps_its_claim_while_it_waits(start_gateway, start_worker, redis_url) -> None:
+    """The key's claim outlives a gateway that died before enqueueing by 40 s; a live one waiting for a worker renews it."""
+    gw = start_gateway(KVPOOL_START_WAIT_S="120")
+    sender, answers = send_in_background(gw.url, "/v1/completions", BODY, **{"Idempotency-Key": "first-request"})
+    poll(lambda: "request.waiting_for_worker" in gw.log() or bool(answers), "the request to wait")
+    conn = redis.Redis.from_url(redis_url)
+    [claim] = conn.keys("kvpool:idempotency:*")
+    first_ttl = conn.pttl(claim)
+    poll(lambda: conn.pttl(claim) > first_ttl, "the claim to be renewed", timeout_s=30)
+
+    start_worker("w1")
+    sender.join(timeout=120)
+    assert answers and answers[0].status_code == 200, answers and answers[0].text
 
 
 def test_workers_all_gone_is_503_at_once(start_worker, start_gateway) -> None:
