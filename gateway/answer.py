@@ -12,15 +12,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import redis
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
 
 from gateway import metrics
 from gateway.errors import APIError, WorkerFailed, to_api_error
@@ -41,15 +39,21 @@ class Submitted:
     job_id: str
     offset: int
     done: bool = False
+    t0: float = field(default_factory=time.perf_counter)
+    """When the request began to be submitted (`time.perf_counter`): its deadline counts from here, a wait for a starting pool included."""
 
 
 async def submit_all(gw: Gateway, prepared: list[Prepared], tenant: Tenant, job_ids: list[str] | None = None) -> list[Submitted]:
-    """Dispatch one job per prompt, under ``job_ids`` when given (an Idempotency-Key's claim names them first)."""
+    """Dispatch one job per prompt, under ``job_ids`` when given (an Idempotency-Key's claim names them first).
+
+    A pool that is starting is waited for (`gateway.starting`), within the request's deadline.
+    """
     jobs: list[Submitted] = []
+    t0 = time.perf_counter()
     try:
         for i, p in enumerate(prepared):
-            job_id, route = await run_in_threadpool(partial(gw.dispatcher.dispatch, p.spec, job_id=job_ids[i] if job_ids else None))
-            jobs.append(Submitted(p, job_id, len(jobs) * p.spec.sampling.n))
+            job_id, route = await gw.starting.dispatch(p.spec, job_ids[i] if job_ids else None, t0)
+            jobs.append(Submitted(p, job_id, len(jobs) * p.spec.sampling.n, t0=t0))
             log.info(
                 "request.routed",
                 extra={
@@ -86,7 +90,7 @@ def body_of(job: Submitted, model: str, result: JobResult, tokens: list[TokenEve
 
 async def whole(gw: Gateway, request: Request, jobs: list[Submitted], want_logprobs: bool) -> dict[str, Any]:
     """The whole response: each job's events collected, its body built, the bodies merged."""
-    t0, endpoint = time.perf_counter(), "chat" if jobs[0].prepared.chat else "completions"
+    t0, endpoint = jobs[0].t0, "chat" if jobs[0].prepared.chat else "completions"
     bodies: list[dict[str, Any]] = []
     results: list[JobResult] = []
     try:
@@ -115,7 +119,7 @@ async def whole(gw: Gateway, request: Request, jobs: list[Submitted], want_logpr
 
 async def sse(gw: Gateway, request: Request, jobs: list[Submitted], include_usage: bool, want_logprobs: bool) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed response: each job's chunks in turn, then usage, then ``[DONE]``."""
-    t0, endpoint = time.perf_counter(), "chat" if jobs[0].prepared.chat else "completions"
+    t0, endpoint = jobs[0].t0, "chat" if jobs[0].prepared.chat else "completions"
     results: list[JobResult] = []
     chunks = None
     try:

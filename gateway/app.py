@@ -167,5 +167,8 @@ def _batch_service(settings: GatewaySettings, gw: Gateway) -> BatchService | Non
 def _add_models_route(app: FastAPI, gw: Gateway, tenant_of: Callable[[Request], Awaitable[Tenant]]) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
+        """The model, once a worker can take a job: until then 503, as llama-server while its model loads (`gateway.starting`)."""
         await tenant_of(request)
+        if (unavailable := await gw.starting.models_unavailable()) is not None:
+            raise unavailable
         return {"object": "list", "data": [{"id": gw.preparer.model_name, "object": "model", "created": 0, "owned_by": "kvpool"}]}

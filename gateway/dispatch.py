@@ -24,7 +24,9 @@ rots in the queue.
 
 With ``queue_without_workers`` a pool may have no live worker at all (scaled to zero on
 the shared queue's length): the job then waits in the shared queue, which is what wakes
-the autoscaler, and the first worker to start takes it.
+the autoscaler, and the first worker to start takes it. Without it, a request finding no
+live worker gets 503 (`NoLiveWorker`), unless the pool is starting: `gateway.starting`
+waits for its first worker first.
 """
 
 from __future__ import annotations
@@ -78,6 +80,15 @@ class RejectReason(StrEnum):
     NO_WORKER = "no_worker"
     QUEUE_FULL = "queue_full"
     DEADLINE = "deadline"
+
+
+class NoLiveWorker(Overloaded):
+    """No worker is live to send a job to (503, ``no_workers``); a starting pool's request waits for one (`gateway.starting`)."""
+
+    def __init__(
+        self, message: str = "no live worker is serving this pool; start one with `kvpool worker`", retry_after_s: int = 5
+    ) -> None:
+        super().__init__(message, code="no_workers", headers={"Retry-After": str(retry_after_s)})
 
 
 @dataclass(frozen=True)
@@ -192,8 +203,13 @@ class Dispatcher:
         *per_worker, shared = pipe.execute()
         return {**dict(zip(names, per_worker)), "": shared}
 
-    def dispatch(self, spec: JobSpec, *, depends_on: str | None = None, job_id: str | None = None) -> tuple[str, Route]:
+    def dispatch(
+        self, spec: JobSpec, *, depends_on: str | None = None, job_id: str | None = None, count_no_worker: bool = True
+    ) -> tuple[str, Route]:
         """Check capacity, route and enqueue, atomically within this gateway; returns the job id and the route taken.
+
+        With no live worker it raises `NoLiveWorker`, counted as a rejection unless
+        ``count_no_worker`` is False (a caller that may wait for a starting pool counts its own).
 
         A Redis that is restarting is waited for, up to ``redis_outage_s``: a restart takes
         about a second, and a request should not fail for it. Redis may have run an enqueue
@@ -220,7 +236,12 @@ class Dispatcher:
                 )
                 return job_id, route
 
-        return ride_out(admit, self.settings.redis_outage_s, what="dispatch")
+        try:
+            return ride_out(admit, self.settings.redis_outage_s, what="dispatch")
+        except NoLiveWorker:
+            if count_no_worker:
+                metrics.REJECTED.labels(RejectReason.NO_WORKER).inc()
+            raise
 
     def requeue(self, spec: JobSpec, job_id: str) -> None:
         """Submit an admitted job again (Redis lost it) to the shared queue, without a new admission check."""
@@ -241,10 +262,7 @@ class Dispatcher:
             metrics.REJECTED.labels(RejectReason.NO_MATCHING_WORKER).inc()
             raise Overloaded(mismatch(live, spec.model, spec.chunk_size), code="no_matching_worker", headers={"Retry-After": "30"})
         if not ads and not self.settings.queue_without_workers:
-            metrics.REJECTED.labels(RejectReason.NO_WORKER).inc()
-            raise Overloaded(
-                "no live worker is serving this pool; start one with `kvpool worker`", code="no_workers", headers={"Retry-After": "5"}
-            )
+            raise NoLiveWorker()
         lengths = self._lengths([a.worker for a in ads])
         waiting = sum(lengths.values())
         metrics.QUEUE_DEPTH.set(waiting)

@@ -14,7 +14,8 @@ passes through two states:
 * ``claimed``: one gateway won the key (``SET NX``, one round trip, so two gateways
   racing with the same key enqueue one job) and is enqueueing the jobs the claim names
   (their ids are chosen first); the record expires after ``CLAIM_S`` plus the Redis
-  outage allowance if that gateway dies first, and a request that finds it waits for it
+  outage allowance if that gateway dies first (a live one renews it while it waits for a
+  starting pool's first worker: `_hold`), and a request that finds it waits for it
   to change, or attaches to the named jobs once they are all in RQ (a gateway killed
   after enqueueing and before recording leaves them running);
 * ``submitted``: the jobs are enqueued; the record lasts ``KVPOOL_IDEMPOTENCY_TTL_S``.
@@ -226,15 +227,18 @@ async def _submit_claimed(
 ) -> list[Submitted]:
     """Enqueue under a claim we hold; record the jobs, or release the key if the request was refused."""
     held = mine.model_dump_json()
+    keeper = asyncio.create_task(_hold(records, rkey, held, mine))
     try:
         jobs = await submit_all(gw, prepared, tenant, mine.jobs)
     except BaseException:
+        keeper.cancel()
         with anyio.CancelScope(shield=True):
             try:
                 await records.swap(rkey, held, None)
             except redis.RedisError as e:
                 log.warning("idempotency.release_failed", extra={"reason": str(e)})  # the claim expires on its own
         raise
+    keeper.cancel()
     done = mine.model_copy(update={"state": KeyState.SUBMITTED, "jobs": [j.job_id for j in jobs]})
     try:
         recorded = await records.swap(rkey, held, done)
@@ -245,3 +249,12 @@ async def _submit_claimed(
         log.warning("idempotency.claim_lost", extra={"job": jobs[0].job_id, "reason": "the key's claim expired or was lost"})
     metrics.IDEMPOTENT.labels(outcome).inc()
     return jobs
+
+
+async def _hold(records: Records, rkey: str, held: str, mine: Record) -> None:
+    """Renew a claim while its gateway is enqueueing (a wait for a starting pool may outlast `CLAIM_S`), while it is still ours."""
+    try:
+        while await asyncio.sleep(CLAIM_S / 3, True) and await records.swap(rkey, held, mine):
+            pass
+    except redis.RedisError as e:
+        log.warning("idempotency.renew_failed", extra={"reason": str(e)})

@@ -49,6 +49,13 @@ class GatewaySettings(PoolSettings):
         False,
         description="Queue requests while no worker is live (a pool scaled to zero on the queue's length): they wait for a worker to start instead of getting 503, and /readyz does not ask for a worker.",
     )
+    start_wait_s: float = Field(
+        120.0,
+        ge=0,
+        description="How long a request waits for a worker while the pool is starting (no worker has been live in this Redis yet, or "
+        "worker processes are loading their model) instead of getting 503; counted in KVPOOL_REQUEST_TIMEOUT_S. A pool whose "
+        "workers were live and are all gone answers 503 at once. 0: never wait.",
+    )
     max_waiting_jobs: int = Field(64, ge=1, description="Waiting jobs beyond which requests get 503 with Retry-After.")
     route_max_queue: int = Field(
         0, ge=0, description="Jobs already queued at a worker beyond which locality routing gives way to the shared queue."

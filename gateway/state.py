@@ -14,6 +14,7 @@ from gateway.dispatch import Dispatcher, mismatch
 from gateway.prepare import Prepared, Preparer
 from gateway.relay import RelayContext
 from gateway.settings import GatewaySettings
+from gateway.starting import StartingPool
 from gateway.tenants import Tenants
 from store.backends import open_backend
 from store.errors import StoreError
@@ -32,6 +33,7 @@ class Gateway:
         )
         self.aredis = redis.asyncio.Redis.from_url(settings.redis_url, socket_connect_timeout=settings.connect_timeout_s)
         self.dispatcher = Dispatcher(self.redis, settings)
+        self.starting = StartingPool(self.aredis, self.dispatcher, settings, self.preparer.fingerprint)
 
     def relay_context(self, request: Request, prepared: Prepared, job_id: str, t0: float, endpoint: str) -> RelayContext:
         async def any_worker_alive() -> bool:

@@ -13,6 +13,14 @@ liveness never rests on a key that outlived its worker (a restarted Redis keeps 
 keys) nor on the clocks of the machines. Reading every live worker is one ``HGETALL``
 however large the chunk index in the same Redis grows; adverts dead for longer than
 `FORGET_S` are removed by whoever reads them.
+
+A pool also says whether it is *starting*, so that a request finding no live worker can
+tell a pool whose first workers are still loading (it waits for one) from one whose
+workers died (503 at once): a worker process is announced in `STARTING_KEY` the moment it
+is spawned and keeps announcing itself while its model loads (`announce_starting`); its
+first advert removes the announcement in the same script. Every advert also records its
+model and chunk size in `SEEN_KEY`, which never expires: a pool that has had a live
+worker in this Redis (`apool_view`).
 """
 
 from __future__ import annotations
@@ -31,11 +39,26 @@ LIVE_S = 10.0
 """An advert older than this is a worker that stopped: at least twice its longest refresh interval."""
 FORGET_S = 300.0
 
+STARTING_KEY = "kvpool:starting"
+"""Hash of worker process (``host:pid``) -> the Redis clock until which it counts as starting (`announce_starting`)."""
+SEEN_KEY = "kvpool:adverts:seen"
+"""Hash of ``model:chunk size`` -> the Redis clock when a worker serving them last advertised; never expires."""
+
 _WRITE = """
 local t = redis.call('TIME')
 local doc = cjson.decode(ARGV[2])
 doc['at'] = tonumber(t[1]) + tonumber(t[2]) / 1000000
 redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(doc))
+redis.call('HDEL', KEYS[2], ARGV[3])
+if doc['model'] then
+  redis.call('HSET', KEYS[3], doc['model'] .. ':' .. tostring(doc['chunk_size']), t[1])
+end
+return 1
+"""
+
+_ANNOUNCE = """
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], ARGV[1], tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[2]))
 return 1
 """
 
@@ -99,7 +122,21 @@ def advertise(
         doc.update(
             model=serving.model, chunk_size=serving.chunk_size, layout=serving.layout, kernels=serving.kernels, decode=serving.decode
         )
-    conn.eval(_WRITE, 1, ADVERTS_KEY, worker, json.dumps(doc))
+    conn.eval(_WRITE, 3, ADVERTS_KEY, STARTING_KEY, SEEN_KEY, worker, json.dumps(doc), process_key(host, pid))
+
+
+def process_key(host: str, pid: int) -> str:
+    """How `STARTING_KEY` names a worker process."""
+    return f"{host}:{pid}"
+
+
+def announce_starting(conn: redis.Redis, host: str, pid: int, for_s: float = LIVE_S) -> None:
+    """Worker process ``host:pid`` is starting, and counts as starting for ``for_s`` by the Redis clock unless announced again."""
+    conn.eval(_ANNOUNCE, 1, STARTING_KEY, process_key(host, pid), str(for_s))
+
+
+def withdraw_starting(conn: redis.Redis, host: str, pid: int) -> None:
+    conn.hdel(STARTING_KEY, process_key(host, pid))
 
 
 def withdraw(conn: redis.Redis, worker: str) -> None:
@@ -112,7 +149,14 @@ def adverts(conn: redis.Redis) -> list[Advert]:
     pipe.time()
     pipe.hgetall(ADVERTS_KEY)
     (sec, usec), raw = pipe.execute()
-    now = sec + usec / 1e6
+    out, forget = _live(raw, sec + usec / 1e6)
+    if forget:
+        conn.hdel(ADVERTS_KEY, *forget)
+    return out
+
+
+def _live(raw: dict[bytes, bytes], now: float) -> tuple[list[Advert], list[bytes]]:
+    """The live adverts among ``raw``, by name, and the names of those dead long enough to forget."""
     out, forget = [], []
     for name, value in sorted(raw.items()):
         doc = json.loads(value)
@@ -121,9 +165,35 @@ def adverts(conn: redis.Redis) -> list[Advert]:
             forget.append(name)
         if age <= LIVE_S:
             out.append(_advert(name.decode(), doc))
-    if forget:
-        conn.hdel(ADVERTS_KEY, *forget)
-    return out
+    return out, forget
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """What a gateway with no live worker to send a job to must know: is the pool starting, or are its workers gone?"""
+
+    live: list[Advert]
+    """The live workers, whatever they serve."""
+    starting: int
+    """Worker processes announced as starting (spawned, or loading their model) and not advertising yet."""
+    seen: bool
+    """A worker serving this model and chunk size has advertised in this Redis before (`SEEN_KEY`)."""
+
+
+async def apool_view(conn: redis.asyncio.Redis, model: str, chunk_size: int) -> PoolView:
+    """The pool as a gateway of ``model`` and ``chunk_size`` sees it, in one round trip (for asyncio)."""
+    pipe = conn.pipeline(transaction=False)
+    pipe.time()
+    pipe.hgetall(ADVERTS_KEY)
+    pipe.hgetall(STARTING_KEY)
+    pipe.hexists(SEEN_KEY, f"{model}:{chunk_size}")
+    (sec, usec), raw, starting, seen = await pipe.execute()
+    now = sec + usec / 1e6
+    fresh = [k for k, until in starting.items() if float(until) >= now]
+    stale = [k for k, until in starting.items() if float(until) < now - FORGET_S]
+    if stale:
+        await conn.hdel(STARTING_KEY, *stale)
+    return PoolView(_live(raw, now)[0], len(fresh), bool(seen))
 
 
 def _advert(name: str, doc: dict[str, Any]) -> Advert:

@@ -60,6 +60,7 @@ from worker.models.fetch import resolve_model
 from worker.protocol import slot_names, worker_queue
 from worker.registration import claim_name, rescue_orphaned_queues
 from worker.settings import WorkerSettings
+from worker.starting import StartingNotice
 from worker.stopping import PUBSUB_WAIT_S, StopAwareQueue, client_name, push_back, wake
 
 log = logging.getLogger("kvpool.worker")
@@ -260,8 +261,10 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
     health = Health(ping=redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1, socket_timeout=1).ping)
     if settings.metrics_port is not None:
         serve(health, settings.metrics_port)  # /healthz answers while the model loads
+    notice = StartingNotice(settings.redis_url)
     try:
-        workers, engines = _start(settings, health)
+        with notice:  # until its first advert, the pool sees it as starting
+            workers, engines = _start(settings, health)
     except StopRequested:  # stopped while Redis was unreachable
         log.info("worker.stopped", extra={"phase": "starting", "redis": "unreachable"})
         return
@@ -271,6 +274,7 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
     ]
     try:
         if jobs.STOPPING.is_set():  # stopped while the model loaded
+            notice.withdraw()
             log.info("worker.stopped", extra={"phase": "starting"})
             return
         for t in others:

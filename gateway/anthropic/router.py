@@ -10,7 +10,6 @@ names a tenant (`gateway.tenants`).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -66,7 +65,7 @@ def messages_router(gw: Gateway) -> APIRouter:
 
 
 async def _whole(gw: Gateway, request: Request, sub: Submitted, job: MessageJob) -> dict[str, Any]:
-    t0 = time.perf_counter()
+    t0 = sub.t0
     try:
         async for ev in relay(gw.relay_context(request, sub.prepared, sub.job_id, t0, ENDPOINT)):
             if isinstance(ev, JobResult):
@@ -78,7 +77,7 @@ async def _whole(gw: Gateway, request: Request, sub: Submitted, job: MessageJob)
 
 
 async def _events(gw: Gateway, request: Request, sub: Submitted, job: MessageJob) -> AsyncIterator[bytes]:
-    t0 = time.perf_counter()
+    t0 = sub.t0
     writer = MessageEvents(sub.job_id, gw.preparer.model_name, job)
     try:
         for chunk in writer.start():

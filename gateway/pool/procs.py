@@ -28,13 +28,16 @@ from typing import Self
 import httpx
 import redis
 
-from worker.advert import adverts
+from worker.advert import adverts, announce_starting
 from worker.protocol import slot_names
 
 S3_ACCESS_KEY = "kvpool-local"
 S3_SECRET_KEY = "kvpool-local-secret"
 """Credentials of the local S3 endpoint (moto accepts any; these are what kvpool hands it)."""
 
+
+SPAWNED_S = 60.0
+"""How long a spawned worker counts as starting before it announces itself (`worker.starting`): Python and llama.cpp load first."""
 
 LISTEN_PORTS = (20000, 32768)
 """Where `free_port` looks: below Linux's default ephemeral range (32768-60999), which outgoing connections draw from."""
@@ -198,6 +201,16 @@ class WorkerProcess(Process):
 
     def args(self) -> list[str]:
         return kvpool_command("worker")
+
+    def spawn(self) -> Self:
+        """Start it, and announce it as starting at once: a gateway then waits for it instead of answering 503 while Python starts."""
+        super().spawn()
+        assert self.proc is not None
+        try:
+            announce_starting(self.conn, socket.gethostname(), self.proc.pid, SPAWNED_S)
+        except redis.RedisError:
+            pass  # Redis not up yet: the worker announces itself once it reaches it
+        return self
 
     @property
     def names(self) -> list[str]:

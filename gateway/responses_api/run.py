@@ -111,8 +111,7 @@ class Run:
         return body, events
 
     async def _events(self, request: Request, job: Submitted) -> AsyncGenerator[TokenEvent | JobResult]:
-        t0 = time.perf_counter()
-        async for ev in relay(self.gw.relay_context(request, job.prepared, job.job_id, t0, "responses")):
+        async for ev in relay(self.gw.relay_context(request, job.prepared, job.job_id, job.t0, "responses")):
             if isinstance(ev, JobResult):
                 job.done = True
             yield ev

@@ -195,7 +195,8 @@ def test_the_worker_survives_bad_input(one_worker) -> None:
     assert ok.usage.completion_tokens <= 3
 
 
-def test_no_live_worker_is_503_saying_so(start_gateway) -> None:
+def test_no_live_worker_is_503_saying_so(start_worker, start_gateway) -> None:
+    start_worker("w1").stop()  # a pool whose workers are gone (a pool still starting waits for one: test_pool_starting.py)
     gw = start_gateway()
     r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
     assert_openai_error(r, 503, "no live worker")

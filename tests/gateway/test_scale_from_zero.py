@@ -40,7 +40,7 @@ def test_a_request_waits_in_the_shared_queue_until_the_first_worker_starts(start
 
 
 def test_without_the_setting_no_worker_is_still_an_immediate_503(start_gateway) -> None:
-    gw = start_gateway()
+    gw = start_gateway(KVPOOL_START_WAIT_S="0")  # nor a wait for a starting pool (test_pool_starting.py)
     assert httpx.get(gw.url + "/readyz").status_code == 503
     r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers"

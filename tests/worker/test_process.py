@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,8 +15,8 @@ import redis
 from rq import Queue, Worker
 
 from gateway.pool.procs import RedisServer, WorkerProcess, free_port
-from tests.helpers import PoolClient, prompt_text
-from worker.advert import adverts
+from tests.helpers import PoolClient, poll, prompt_text
+from worker.advert import STARTING_KEY, adverts, process_key
 from worker.protocol import stream_key, worker_queue
 
 KVPOOL = str(Path(sys.executable).parent / "kvpool")
@@ -187,6 +188,21 @@ def test_sigterm_with_a_job_running_on_one_of_four_sequences_exits_within_10_s_o
     assert w.proc.wait(timeout=10) == 0, w.log()[-2000:]
 
 
+def test_a_starting_worker_announces_itself_until_its_first_advert(pool_env, tmp_path: Path) -> None:
+    """A gateway tells a pool still loading its workers from one whose workers died by these announcements (`worker.starting`)."""
+    w = WorkerProcess("w1", pool_env, tmp_path / "w1.log").spawn()
+    assert w.proc is not None
+    try:
+        mine = process_key(socket.gethostname(), w.proc.pid)
+        assert w.conn.hexists(STARTING_KEY, mine), "announced by its spawner, before Python has started"
+        w.conn.delete(STARTING_KEY)  # what follows is the worker's own announcement
+        poll(lambda: w.conn.hexists(STARTING_KEY, mine), "the worker to announce itself while its model loads")
+        w.wait_ready()
+        assert not w.conn.hexists(STARTING_KEY, mine), "its first advert ends the announcement"
+    finally:
+        w.kill()
+
+
 @pytest.mark.parametrize("moment", ["while_the_model_loads", "as_soon_as_it_advertises"])
 def test_sigterm_at_any_moment_of_start_up_exits_0_and_leaves_nothing_registered(pool_env, tmp_path: Path, moment: str) -> None:
     """RQ takes signals only once it has registered the worker; a stop in between used to kill the process (-15)."""
@@ -207,6 +223,7 @@ def test_sigterm_at_any_moment_of_start_up_exits_0_and_leaves_nothing_registered
         w.kill()
     assert not {x.name for x in Worker.all(connection=w.conn)} & set(w.names), "RQ registrations left behind"
     assert not any(a.pid == w.proc.pid for a in adverts(w.conn)), "an advert left behind"
+    assert not w.conn.hlen(STARTING_KEY), "its announcement as starting left behind: a gateway would wait for it"
 
 
 def test_sigterm_while_a_starting_worker_waits_for_redis_exits_0_at_once(pool_env, tmp_path: Path) -> None:

@@ -131,11 +131,12 @@ def test_a_body_over_the_limit_is_413_request_too_large(tiny_pool: Pool) -> None
 
 
 def test_no_live_worker_is_529_overloaded(tiny_pool: Pool) -> None:
-    env = {**tiny_pool.env, "KVPOOL_REDIS_URL": tiny_pool.redis_url.rsplit("/", 1)[0] + "/1"}  # a Redis database no worker serves
+    """A Redis database no worker ever served is a pool starting: 529 once the wait for its first worker ends."""
+    env = {**tiny_pool.env, "KVPOOL_REDIS_URL": tiny_pool.redis_url.rsplit("/", 1)[0] + "/1", "KVPOOL_START_WAIT_S": "1"}
     gw = GatewayProcess(env, free_port(), tiny_pool.logs / "gateway-alone.log").start()
     try:
         r = httpx.post(gw.url + "/v1/messages", json=OK, headers=AUTH)
-        assert_anthropic_error(r, 529, "overloaded_error", "no live worker")
+        assert_anthropic_error(r, 529, "overloaded_error", "no live worker", "starting")
         assert r.headers["retry-after"]
     finally:
         gw.stop()
