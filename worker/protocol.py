@@ -26,6 +26,7 @@ retry then repeats entries; readers drop them with `Once`, so every event counts
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Literal
 
@@ -171,7 +172,16 @@ def job_spec(
 
     ``route_key`` is the request's ``prompt_cache_key``; it is hashed with the tenant's salt,
     so two tenants' keys never meet.
+
+    A sampled job without a seed gets one of its own here: every attempt at it (RQ's retry
+    after a worker died, a job queued again) then samples the same tokens from the same
+    logits, so the tokens a client already has from an earlier attempt are the start of
+    the retry's answer, which the relay skips (`gateway.relay`). Without it, the client got
+    one attempt's start joined to another attempt's rest.
     """
+    sampling = sampling or SamplingParams()
+    if sampling.seed is None and sampling.temperature > 0:
+        sampling = sampling.model_copy(update={"seed": secrets.randbelow(2**32)})
     keys = prefix_namespace(model, chunk_size, tenant_salt).chain(tokens)
     return JobSpec(
         tokens=tokens,
@@ -179,7 +189,7 @@ def job_spec(
         chunk_size=chunk_size,
         model=model,
         tenant_salt=tenant_salt,
-        sampling=sampling or SamplingParams(),
+        sampling=sampling,
         enqueued_at=time.time() if enqueued_at is None else enqueued_at,
         wait_for_publish=wait_for_publish,
         route_key=None if route_key is None else xxhash.xxh3_64_hexdigest(f"{tenant_salt}\0{route_key}".encode()),
