@@ -14,6 +14,7 @@ from pathlib import Path
 
 import redis
 from rq import Queue, Worker, worker_registration
+from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.utils import now, utcparse
@@ -55,23 +56,42 @@ def _pid_alive(pid: int) -> bool:
 
 
 def rescue_orphaned_queues(conn: redis.Redis, shared: Queue) -> int:
-    """Move jobs from the private queues of workers that are gone (their advert expired) to the shared queue."""
+    """Move jobs from the private queues of workers that are gone (their advert expired) to the shared queue.
+
+    Any worker may do this at its maintenance, so each orphaned queue is emptied under
+    RQ's maintenance lock of that queue, and a job is enqueued only by whoever removed it
+    from the queue (LREM's count): two workers never enqueue one job twice. A job whose
+    record has expired is dropped from the queue, as RQ's dequeue drops it.
+    """
     alive = {a.worker for a in adverts(conn)}
     moved = 0
     for q in Queue.all(connection=conn):
         if not q.name.startswith(WORKER_QUEUE_PREFIX) or q.name[len(WORKER_QUEUE_PREFIX) :] in alive:
             continue
-        StartedJobRegistry(queue=q).cleanup()
-        for job_id in q.get_job_ids():
-            job = Job.fetch(job_id, connection=conn)
-            q.remove(job_id)
-            job.origin = shared.name
-            job.save()
-            shared.enqueue_job(job)
-            moved += 1
+        if not q.acquire_maintenance_lock():
+            continue
+        try:
+            StartedJobRegistry(queue=q).cleanup()
+            moved += sum(_move(conn, q, job_id, shared) for job_id in q.get_job_ids())
+        finally:
+            q.release_maintenance_lock()
         if moved:
             log.info("rescue.moved", extra={"from": q.name, "jobs": moved})
     return moved
+
+
+def _move(conn: redis.Redis, q: Queue, job_id: str, shared: Queue) -> bool:
+    """``job_id`` from ``q`` to ``shared``, if this caller is the one that removed it from ``q``."""
+    if not q.remove(job_id):
+        return False
+    try:
+        job = Job.fetch(job_id, connection=conn)
+    except NoSuchJobError:
+        return False
+    job.origin = shared.name
+    job.save()
+    shared.enqueue_job(job)
+    return True
 
 
 def claim_name(worker: Worker) -> None:
