@@ -29,6 +29,8 @@ ENGINE_SIDE = {
     "worker.process",
     "worker.registration",
     "worker.stopping",
+    "worker.rq_worker",
+    "worker.supervision",
     "worker.publisher",
     "worker.selfcheck",
     "worker.leases",

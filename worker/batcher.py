@@ -36,6 +36,7 @@ import ctypes
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -90,6 +91,8 @@ class Batcher:
         self._expected: set[int] = set()
         self._closed = False
         self._batch = llama_cpp.llama_batch_init(n_ubatch, 0, 1)
+        self.on_death: Callable[[str, BaseException], None] | None = None
+        """Told when the batcher's thread dies (`worker.supervision`): no decode runs any more."""
         self.rounds = 0
         self.calls = 0
         self.totals: dict[CallKind, CallTotals] = {}
@@ -135,6 +138,18 @@ class Batcher:
     # -- the batcher's thread ----------------------------------------------------------
 
     def _run(self) -> None:
+        """The thread: rounds until closed. Should it die, every request waiting and every later one fails at once."""
+        try:
+            self._rounds()
+        except BaseException as e:
+            log.exception("batcher.died")
+            with self._cv:
+                self._closed = True
+                self._fail_queued(BatcherClosed(f"the batcher's thread died: {type(e).__name__}: {e}"))
+            if self.on_death is not None:
+                self.on_death("kvpool-batcher", e)
+
+    def _rounds(self) -> None:
         while True:
             with self._cv:
                 if not self._wait_for_work():
@@ -156,16 +171,20 @@ class Batcher:
         while not self._queue and not self._closed:
             self._cv.wait()
         if self._closed:
-            for req in self._queue:
-                req.error = BatcherClosed("the worker is stopping")
-                req.finished.set()
-            self._queue.clear()
+            self._fail_queued(BatcherClosed("the worker is stopping"))
             return False
         deadline = time.monotonic() + self.gather_s
         while self._missing() and (left := deadline - time.monotonic()) > 0:
             self._cv.wait(left)
         self._expected -= self._missing()  # late this round: not waited for again until it steps again
         return True
+
+    def _fail_queued(self, error: BaseException) -> None:
+        """Every request waiting gets ``error``; the caller holds ``_cv``."""
+        for req in self._queue:
+            req.error = error
+            req.finished.set()
+        self._queue.clear()
 
     def _missing(self) -> set[int]:
         return self._expected - {r.seq for r in self._queue}

@@ -116,8 +116,9 @@ def worker_command(settings: WorkerSettings, burst: bool) -> None:
     from worker.errors import WorkerNameTaken
     from worker.models.fetch import ModelChecksumError
     from worker.process import run_worker
+    from worker.supervision import ThreadDied
 
     try:
         run_worker(settings, burst=burst)
-    except (FileNotFoundError, WorkerNameTaken, ModelChecksumError) as e:
+    except (FileNotFoundError, WorkerNameTaken, ModelChecksumError, ThreadDied) as e:
         raise click.ClickException(str(e)) from None

@@ -58,6 +58,12 @@ class Health:
         with self._lock:
             self._registered = registered
 
+    def failed(self, reason: str) -> None:
+        """Never ready again: ``reason`` says why (a thread of the worker died, `worker.supervision`)."""
+        with self._lock:
+            self._blocker = reason
+            self._stopping = False
+
     def stopping(self) -> None:
         with self._lock:
             self._stopping = True

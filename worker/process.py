@@ -1,12 +1,9 @@
-"""The worker process: an RQ worker that loads the model once and runs jobs in-process.
+"""The worker process: loads the model once, then runs one RQ worker per sequence of its context.
 
-* It listens on its own queue first (the gateway routes a request there when this
-  worker's context holds its prefix), then on the shared queue.
-* It does not fork per job (`rq.SimpleWorker`): the model stays loaded.
-* While a job runs, a thread keeps the job's heartbeat short-lived, so that when the
-  worker dies (SIGKILL) the job is seen as abandoned within seconds and retried by
-  another worker (RQ's retries; `job_attempts` in all). Jobs left in the private queue
-  of a dead worker are moved to the shared queue.
+* Each sequence's RQ worker (`worker.rq_worker`) listens on its own queue first (the
+  gateway routes a request there when that sequence's cells hold its prefix), then on the
+  shared queue; the first runs in the main thread (it takes the signals), the others in
+  threads. Jobs left in the private queue of a dead worker are moved to the shared queue.
 * SIGTERM: a warm shutdown -- the current job finishes, then the process exits; jobs
   still waiting in its own queue are handed to the shared queue. The stop is a flag of
   every sequence's RQ worker, checked before each pop and before a popped job starts;
@@ -16,14 +13,15 @@
   unreachable there is no job to finish and nothing can be handed back: a stop request
   ends the wait for Redis at once and the process exits 0 (its advert expires, and the
   other workers move what waits in its queue).
+* Every thread is supervised (`worker.supervision`): one that dies stops the process as
+  SIGTERM does, ``/readyz`` turns false at once, and the process exits 1.
 * With ``metrics_port`` set, one port serves /metrics, /healthz and /readyz
   (`worker.health`): ready once the model is loaded, the self-check has passed and the
   worker is registered.
 * A worker restarted after a crash starts at once under the same name: the registration
-  its dead predecessor left in Redis is recognised (same host, process gone, or no
-  heartbeat for `STALE_S`) and cleared. A live worker of the same name is refused,
-  before the model is loaded. ``worker.ready`` is logged only once the worker is
-  registered and can take jobs.
+  its dead predecessor left in Redis is recognised (`worker.registration`) and cleared.
+  A live worker of the same name is refused, before the model is loaded.
+  ``worker.ready`` is logged only once the worker is registered and can take jobs.
 * Redis going away (a restart, a failover) does not end the process: the worker waits
   for it (redis-py's `Retry`, with exponential backoff), registers again and goes on; the
   job it was running is retried by RQ.
@@ -35,189 +33,34 @@ import logging
 import os
 import signal
 import socket
-import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TypeVar
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
-from rq import Queue, SimpleWorker
 from rq.exceptions import StopRequested
-from rq.job import Job
-from rq.timeouts import TimerDeathPenalty
-from rq.worker import WorkerStatus
 
 from store.errors import StoreError
 from store.store import Store
 from worker import jobs, metrics
-from worker.advert import Serving, advertise, withdraw
+from worker.advert import withdraw
 from worker.cpus import available_cpus, openmp_wait
 from worker.engine import Engine
 from worker.health import Health, self_check_outcome, serve
 from worker.models.fetch import resolve_model
-from worker.protocol import slot_names, worker_queue
-from worker.registration import claim_name, rescue_orphaned_queues
+from worker.protocol import slot_names
+from worker.registration import rescue_orphaned_queues
+from worker.rq_worker import KvpoolWorker, build_worker
 from worker.settings import WorkerSettings
 from worker.starting import StartingNotice
-from worker.stopping import PUBSUB_WAIT_S, StopAwareQueue, client_name, push_back, wake
+from worker.stopping import wake
+from worker.supervision import Supervisor
 
 log = logging.getLogger("kvpool.worker")
 T = TypeVar("T")
-
-
-class KvpoolWorker(SimpleWorker):
-    live: set[KvpoolWorker] = set()
-    """This process's RQ workers, one per sequence (`worker.slots`): a stop request reaches all of them."""
-    queue_class = StopAwareQueue
-    heartbeat_s: float = 2.0
-    engine: Engine | None = None
-    busy: bool = False
-    stopping: bool = False
-    waiting: bool = False
-    """Between two attempts to reach Redis (`_wait_for_redis`)."""
-    health: Health | None = None
-
-    def _install_signal_handlers(self) -> None:
-        """Only the main thread's worker takes signals; it passes a stop on to the others (`request_stop`)."""
-        if threading.current_thread() is threading.main_thread():
-            super()._install_signal_handlers()  # type: ignore[no-untyped-call]
-        else:
-            self.death_penalty_class = TimerDeathPenalty  # SIGALRM reaches only the main thread
-
-    def request_stop(self, signum, frame):  # type: ignore[no-untyped-def]
-        """A warm stop of every sequence's worker: flags, and their waits for a job woken (`worker.stopping`)."""
-        jobs.STOPPING.set()
-        everyone = list(KvpoolWorker.live | {self})
-        for w in everyone:
-            w.stopping = w._stop_requested = True
-        if self.health is not None:
-            self.health.stopping()
-        if self.waiting:  # Redis is away: no job runs and nothing can be handed back, so the wait ends now
-            log.info("worker.stop_requested", extra={"worker": self.name, "redis": "unreachable"})
-            raise StopRequested()
-        super().request_stop(signum, frame)  # RQ's: a second signal is a cold shutdown
-        try:
-            wake(self.connection, [w.name for w in everyone])
-        except redis.RedisError:  # away: RQ's loop sleeps between tries and pops nothing
-            if not self.busy:
-                raise StopRequested() from None
-
-    def _shutdown(self) -> None:
-        """RQ's raises `StopRequested` from the signal handler when the worker is idle, wherever the main thread
-        is, even just after a pop; here the stop is the flag `request_stop` set, seen before the next pop."""
-        if self.busy:
-            self.set_shutdown_requested_date()
-
-    def subscribe(self) -> None:
-        """RQ's, with a pubsub thread that looks at its stop flag every `PUBSUB_WAIT_S` (RQ's 60 s held a stop up)."""
-        self.pubsub = self.connection.pubsub()
-        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
-        self.pubsub_thread = self.pubsub.run_in_thread(
-            sleep_time=PUBSUB_WAIT_S, daemon=True, exception_handler=self._pubsub_exception_handler
-        )
-
-    def bootstrap(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        """Take signals before registering. RQ installs its handlers only after `bootstrap`, while the
-        registration and the advert already say the worker is up: a SIGTERM in between killed the process."""
-        self._install_signal_handlers()
-        super().bootstrap(*args, **kwargs)
-
-    def set_shutdown_requested_date(self) -> None:
-        """RQ records a warm shutdown during a job for its dashboards; with Redis away that must not raise inside the job."""
-        try:
-            super().set_shutdown_requested_date()  # type: ignore[no-untyped-call]
-        except redis.RedisError as e:
-            log.warning("worker.shutdown_date_not_recorded", extra={"reason": str(e)})
-
-    def advertise(self, busy: bool) -> None:
-        if self.engine is None:
-            return
-        try:
-            e = self.engine
-            serving = Serving(e.fingerprint, e.settings.chunk_size, e.layout.canonical(), e.kernels.canonical(), str(e.decode))
-            pending = e.publisher.pending if e.publisher else 0
-            advertise(
-                self.connection, self.name, e.held_keys(), busy, pid=os.getpid(), host=self.hostname or "", serving=serving, pending=pending
-            )
-        except redis.RedisError as e:
-            log.warning("advert.failed", extra={"reason": str(e)})
-
-    def claim_name(self) -> None:
-        """Clear the registration a dead worker of this name left behind; refuse if that worker lives."""
-        claim_name(self)
-
-    def register_birth(self) -> None:
-        self.claim_name()
-        super().register_birth()
-        self.advertise(busy=False)
-        if self.health is not None:
-            self.health.registered(True)
-        if self.engine is not None:
-            log.info(
-                "worker.ready",
-                extra={
-                    "worker": self.name,
-                    "model": self.engine.labels["model"],
-                    "layout": self.engine.labels["layout"],
-                    "kernels": self.engine.kernels.canonical(),
-                    "restore": self.engine.restore_enabled,
-                },
-            )
-
-    def heartbeat(self, timeout: int | None = None, pipeline=None):  # type: ignore[no-untyped-def]
-        """An idle worker asked to stop while Redis is away stops here (`worker.stopping`)."""
-        try:
-            super().heartbeat(timeout, pipeline)
-        except (redis.ConnectionError, redis.TimeoutError):
-            if pipeline is None and self._stop_requested and not self.busy:
-                raise StopRequested() from None
-            raise
-        if pipeline is None and not self.busy:
-            self.advertise(busy=False)
-
-    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
-        return int(self.heartbeat_s * 3) + 2
-
-    def execute_job(self, job: Job, queue: Queue) -> None:
-        if self._stop_requested:  # popped as the stop came: another worker runs it
-            push_back(job, queue)
-            raise StopRequested()
-        execution = self.prepare_execution(job)
-        self.busy = True
-        if self.engine is not None:
-            metrics.BUSY.labels(**self.engine.labels).inc()
-        self.advertise(busy=True)
-        done = threading.Event()
-
-        def beat() -> None:
-            while not done.wait(self.heartbeat_s):
-                try:
-                    self.maintain_heartbeats(job, execution)
-                except redis.RedisError as e:
-                    log.warning("heartbeat.failed", extra={"reason": str(e)})
-                self.advertise(busy=True)
-
-        thread = threading.Thread(target=beat, name="kvpool-heartbeat", daemon=True)
-        thread.start()
-        try:
-            self.perform_job(job, queue, execution)
-        finally:
-            done.set()
-            thread.join()
-            self.busy = False
-            if self.engine is not None:
-                metrics.BUSY.labels(**self.engine.labels).dec()
-        self.set_state(WorkerStatus.IDLE)
-        self.advertise(busy=False)
-
-    def run_maintenance_tasks(self) -> None:
-        super().run_maintenance_tasks()
-        try:
-            rescue_orphaned_queues(self.connection, self.queues[-1])
-        except redis.RedisError as e:
-            log.warning("rescue.failed", extra={"reason": str(e)})
 
 
 def open_store(settings: WorkerSettings) -> Store | None:
@@ -226,18 +69,6 @@ def open_store(settings: WorkerSettings) -> Store | None:
     except StoreError as e:
         log.error("store.unavailable_at_start", extra={"reason": str(e)})
         return None
-
-
-def build_worker(settings: WorkerSettings, name: str) -> KvpoolWorker:
-    """The RQ worker of one sequence; the model is not loaded yet."""
-    conn = redis.Redis.from_url(
-        settings.redis_url, socket_connect_timeout=settings.connect_timeout_s, health_check_interval=10, client_name=client_name(name)
-    )
-    queues = [StopAwareQueue(worker_queue(name), connection=conn), StopAwareQueue(settings.queue, connection=conn)]
-    worker = KvpoolWorker(queues, connection=conn, name=name, worker_ttl=20, maintenance_interval=5, log_job_description=False)
-    worker.heartbeat_s = settings.heartbeat_s
-    KvpoolWorker.live.add(worker)
-    return worker
 
 
 def _stop_while_starting(signum, frame) -> None:  # type: ignore[no-untyped-def]
@@ -250,9 +81,18 @@ def _stop_while_starting(signum, frame) -> None:  # type: ignore[no-untyped-def]
     it starts, through RQ's teardown.
     """
     log.info("worker.stop_requested", extra={"phase": "starting"})
-    jobs.STOPPING.set()
-    for w in list(KvpoolWorker.live):
-        w.stopping = w._stop_requested = True
+    KvpoolWorker.stop_all()
+
+
+def _stop_for_good(health: Health, thread: str) -> None:
+    """A thread died (`worker.supervision`): unready at once, and every sequence stops as on SIGTERM."""
+    health.failed(f"a thread of the worker died ({thread}); the worker is stopping")
+    everyone = KvpoolWorker.stop_all()
+    if everyone:
+        try:
+            wake(everyone[0].connection, [w.name for w in everyone])
+        except redis.RedisError:
+            pass  # away: the RQ loops stop at their next failed heartbeat
 
 
 def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
@@ -268,8 +108,11 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
     except StopRequested:  # stopped while Redis was unreachable
         log.info("worker.stopped", extra={"phase": "starting", "redis": "unreachable"})
         return
+    supervisor = Supervisor(on_death=lambda thread: _stop_for_good(health, thread))
+    if engines[0].batcher is not None:
+        engines[0].batcher.on_death = supervisor.died
     others = [
-        threading.Thread(target=_serve, args=(settings, w, e, None, burst), name=f"kvpool-{w.name}")
+        supervisor.thread(partial(_serve, settings, w, e, None, burst), f"kvpool-{w.name}")
         for w, e in zip(workers[1:], engines[1:], strict=True)
     ]
     try:
@@ -279,13 +122,17 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
             return
         for t in others:
             t.start()
-        _serve(settings, workers[0], engines[0], health, burst)
+        try:
+            _serve(settings, workers[0], engines[0], health, burst)
+        except Exception as e:
+            supervisor.died(workers[0].name, e)
     finally:
         for t in others:
             if t.is_alive():
                 t.join()
         for e in reversed(engines):  # the first opened the context: it closes last
             e.close()
+    supervisor.check()
 
 
 def _start(settings: WorkerSettings, health: Health) -> tuple[list[KvpoolWorker], list[Engine]]:
