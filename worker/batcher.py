@@ -82,7 +82,7 @@ class Batcher:
         self.llm = llm
         self.n_vocab = llm.n_vocab()
         self.n_ubatch = n_ubatch
-        self.prefill_chunk = max(4, min(prefill_chunk, n_ubatch))
+        self.prefill_chunk = max(4, prefill_chunk)
         self.gather_s = gather_s
         self.lock = threading.Lock()
         """Held for every call into the context: the batcher's decodes and the views' state reads and writes."""
@@ -301,7 +301,7 @@ def plan_round(queue: list[Request], n_ubatch: int, prefill_chunk: int) -> list[
     if prompts:
         prompt = prompts[0]
         k = max(by_size) if by_size else 0
-        budget = prefill_chunk if steps else n_ubatch
+        budget = min(prefill_chunk, n_ubatch) if steps else n_ubatch  # a call holds n_ubatch tokens at most
         n = prompt_piece(prompt.left, budget)
         shared = next((c for c in calls if c[0][1] == k and k >= 2 and n >= k + 2 and sum(m for _, m in c) + n <= n_ubatch), None)
         if shared is not None:
