@@ -183,7 +183,7 @@ class Engine:
             self.publisher.close()
         if self.leases is not None:
             self.leases.close()
-        self.llm.close()
+        (self.batcher.llm if self.batcher is not None else self.llm).close()  # a sequence's view does not own the context
 
     # -- a job -------------------------------------------------------------------
 

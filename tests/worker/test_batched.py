@@ -251,3 +251,14 @@ def test_each_sequence_is_a_routable_worker(start_worker, client: PoolClient, co
         tokens = client.tokens(prompt_text(70, 20) + name)
         r = client.run(tokens, worker=name)
         assert r.worker == name and r.tokens == cold_greedy(cold_llm, tokens, 24)
+
+
+def test_closing_the_engines_of_a_shared_context_frees_it(tiny_model: Path) -> None:
+    settings = WorkerSettings(chunk_size=CHUNK, n_ctx=256, n_threads=1, parallel=2)
+    engine = Engine(settings, tiny_model, store=None, name="c.0")
+    other = engine.for_sequence(1, "c.1")
+    assert engine.batcher is not None
+    shared = engine.batcher.llm
+    other.close()
+    engine.close()
+    assert shared._ctx.ctx is None, "the llama.cpp context of the sequences is freed"
