@@ -28,11 +28,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import llama_cpp
-
 from worker.kvstate import Buffer
 from worker.llama_state import Llama, StateRestoreError, clear_seq, evaluate_prompt, read_seq_state, restore_seq_state
-from worker.sequence import SeqView
+from worker.sequence import seq_positions
 
 WINDOW_ALIGN = 32
 """A window model's checkpoint is taken only where its window starts at a multiple of this (see above)."""
@@ -84,9 +82,7 @@ def restore_checkpoint(llm: Llama, state: Buffer, tokens: Sequence[int], n_swa: 
     position ``len(tokens) - 1``. The sequence is left empty on failure.
     """
     restore_seq_state(llm, state, tokens, check=False)
-    ctx, seq = (llm.batcher.llm.ctx, llm.seq) if isinstance(llm, SeqView) else (llm.ctx, 0)
-    mem = llama_cpp.llama_get_memory(ctx)
-    first, end = llama_cpp.llama_memory_seq_pos_min(mem, seq), llama_cpp.llama_memory_seq_pos_max(mem, seq)
+    first, end = seq_positions(llm)
     if end != len(tokens) - 1:
         clear_seq(llm)
         raise StateRestoreError(f"the checkpoint ends at position {end}, expected {len(tokens) - 1}")

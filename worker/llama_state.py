@@ -36,7 +36,7 @@ from worker.kvstate import (
     describe_state,
     state_cell_count,
 )
-from worker.sequence import SeqView, open_streams
+from worker.sequence import SeqView, open_streams, seq_positions
 
 Llama: TypeAlias = llama_cpp.Llama | SeqView
 """A context of its own, or one sequence of a shared one (`worker.sequence`)."""
@@ -273,14 +273,10 @@ def restore_seq_state(llm: Llama, state: Buffer, tokens: Sequence[int], seq_id: 
 
     if isinstance(llm, SeqView):
         llm.write_state(_write_state, state)
-        ctx, seq_id = llm.batcher.llm.ctx, llm.seq
     else:
         _write_state(llm.ctx, state, seq_id)
-        ctx = llm.ctx
     if check:
-        mem = llama_cpp.llama_get_memory(ctx)
-        lo = llama_cpp.llama_memory_seq_pos_min(mem, seq_id)
-        hi = llama_cpp.llama_memory_seq_pos_max(mem, seq_id)
+        lo, hi = seq_positions(llm, seq_id)
         if (lo, hi) != (0, n - 1):
             clear_seq(llm, seq_id)
             raise StateRestoreError(f"restored positions {lo}..{hi}, expected 0..{n - 1}")

@@ -23,7 +23,6 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-import llama_cpp
 import numpy as np
 import redis
 
@@ -37,9 +36,16 @@ from worker.checkpoints import restore_checkpoint
 from worker.kvchunks import cut_state, head_cells, join_state
 from worker.kvstate import StateFormatError
 from worker.leases import Claim, EvalRate, LeaseOutcome, Leases, leased_by_others
-from worker.llama_state import ContextCache, Llama, StateReadError, StateRestoreError, read_seq_state, restore_seq_state
+from worker.llama_state import (
+    ContextCache,
+    Llama,
+    StateReadError,
+    StateRestoreError,
+    read_seq_state,
+    restore_seq_state,
+)
 from worker.protocol import StoreStatus
-from worker.sequence import SeqView
+from worker.sequence import seq_positions
 
 log = logging.getLogger("kvpool.worker")
 
@@ -310,8 +316,7 @@ def window_held(llm: Llama, kv: ContextCache, n: int) -> bool:
     """
     if kv.n_swa == 0 or n == 0:
         return True
-    ctx, seq = (llm.batcher.llm.ctx, llm.seq) if isinstance(llm, SeqView) else (llm.ctx, 0)
-    return int(llama_cpp.llama_memory_seq_pos_min(llama_cpp.llama_get_memory(ctx), seq)) <= max(0, n - kv.n_swa)
+    return seq_positions(llm)[0] <= max(0, n - kv.n_swa)
 
 
 def keepable(tokens: list[int]) -> int:

@@ -135,6 +135,12 @@ class SeqView:
     def done_generating(self) -> None:
         self.batcher.idle(self.seq)
 
+    def positions(self) -> tuple[int, int]:
+        """The first and last position of this sequence's cells (-1, -1 when none), read under the batcher's lock."""
+        with self.batcher.lock:
+            mem = llama_cpp.llama_get_memory(self._llm.ctx)
+            return int(llama_cpp.llama_memory_seq_pos_min(mem, self.seq)), int(llama_cpp.llama_memory_seq_pos_max(mem, self.seq))
+
     def _remove_from(self, pos: int) -> None:
         with self.batcher.lock:
             llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._llm.ctx), self.seq, pos, -1)
@@ -211,3 +217,11 @@ def multi_stream(state: bytes | bytearray | memoryview, seq: int, n_streams: int
     if n != 1:
         raise ValueError(f"expected a single-stream state, got {n} streams")
     return bytearray(_HEAD.pack(magic, seq_id, n_streams)) + bytes(state[_HEAD.size :]) + _EMPTY * (n_streams - 1)
+
+
+def seq_positions(llm: llama_cpp.Llama | SeqView, seq_id: int = 0) -> tuple[int, int]:
+    """The first and last position a sequence's cells hold (-1, -1 when none); a view's under its context's lock."""
+    if isinstance(llm, SeqView):
+        return llm.positions()
+    mem = llama_cpp.llama_get_memory(llm.ctx)
+    return int(llama_cpp.llama_memory_seq_pos_min(mem, seq_id)), int(llama_cpp.llama_memory_seq_pos_max(mem, seq_id))
