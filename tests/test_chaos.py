@@ -41,7 +41,8 @@ import llama_cpp
 import pytest
 import redis
 
-from gateway.pool.procs import GatewayProcess, RedisServer, S3Server, WorkerProcess, free_port
+from gateway.pool.procs import GatewayProcess, RedisServer, WorkerProcess, free_port
+from gateway.pool.s3server import S3Server
 from gateway.prepare import Preparer
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import GatewaySettings

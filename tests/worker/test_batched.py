@@ -25,7 +25,8 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from gateway.pool.procs import RedisServer, S3Server
+from gateway.pool.procs import RedisServer
+from gateway.pool.s3server import S3Server
 from store.store import Store
 from tests.helpers import PoolClient, cold_generate, cold_greedy, prompt_text, s3_settings
 from worker.client import events
