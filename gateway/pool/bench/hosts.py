@@ -32,7 +32,12 @@ def ttft(engine: Engine, tokens: list[int]) -> dict[str, float | int]:
     engine.after_answer()
     if engine.publisher is not None:
         engine.publisher.wait_idle()
-    return {"ttft_s": round(took, 4), "cached_store": result.usage.cached_from_store, "evaluated": result.usage.evaluated_tokens}
+    return {
+        "ttft_s": round(took, 4),
+        "cached_store": result.usage.cached_from_store,
+        "evaluated": result.usage.evaluated_tokens,
+        "first_token": result.tokens[0],
+    }
 
 
 def prompt_of(engine: Engine, n: int, salt: str) -> list[int]:
@@ -63,6 +68,7 @@ def measure(engines: dict[str, Engine], n: int, salt: str) -> dict[str, object]:
     choice = chooser.finder.restore_rate
     return {
         "tokens": n,
+        "same_first_token": evaluated["first_token"] == restored["first_token"] == chosen["first_token"],
         "cold": evaluated,
         "restore": restored,
         "chosen": {**chosen, "choice": "restore" if chosen["cached_store"] else "evaluate"},
