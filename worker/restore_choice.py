@@ -17,8 +17,8 @@ from enum import StrEnum
 
 from worker.leases import EvalRate
 
-MIN_BYTES = 64 * 1024
-"""Restores smaller than this teach nothing about throughput: their time is latency."""
+MIN_BYTES = 1024 * 1024
+"""Restores smaller than this are latency more than throughput: they are not measured, and not weighed (they are made)."""
 
 
 class Choice(StrEnum):
@@ -32,6 +32,8 @@ class Choice(StrEnum):
     """Nothing: evaluating is expected to be faster."""
     UNMEASURED = "unmeasured"
     """Everything, as nothing is measured yet to weigh it against."""
+    SMALL = "small"
+    """Everything, as it is under `MIN_BYTES`: latency, which an estimate of throughput does not weigh."""
 
 
 @dataclass
@@ -82,8 +84,10 @@ def choose(options: list[Option], held: int, end: int, restores: RestoreRate, ev
     """Among ``options`` (deepest last) and restoring nothing past ``held``, the fastest way to hold ``end`` tokens' cells."""
     deepest = options[-1]
     r_per_token = restores.seconds_for(1)
-    if r_per_token is None or evals.tokens_per_s is None:
+    if r_per_token is None or restores.bytes_per_token is None or evals.tokens_per_s is None:
         return Decision(Choice.UNMEASURED, deepest.upto, None, None, None)
+    if deepest.fetched * restores.bytes_per_token < MIN_BYTES:
+        return Decision(Choice.SMALL, deepest.upto, None, None, None)
     e_per_token = 1 / evals.tokens_per_s
     cold_s = (end - held) * e_per_token
     best, best_s = None, cold_s
