@@ -17,7 +17,7 @@ from enum import StrEnum
 
 from worker.leases import EvalRate
 
-MIN_BYTES = 1024 * 1024
+MIN_BYTES = 4 * 1024 * 1024
 """Restores smaller than this are latency more than throughput: they are not measured, and not weighed (they are made)."""
 
 
@@ -33,7 +33,7 @@ class Choice(StrEnum):
     UNMEASURED = "unmeasured"
     """Everything, as nothing is measured yet to weigh it against."""
     SMALL = "small"
-    """Everything, as it is under `MIN_BYTES`: latency, which an estimate of throughput does not weigh."""
+    """Everything, as it is under `MIN_BYTES`: mostly latency, which an estimate of throughput does not weigh."""
 
 
 @dataclass

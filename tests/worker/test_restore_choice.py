@@ -27,13 +27,13 @@ pytestmark = pytest.mark.fp_path  # answers are compared with a cold run, bit fo
 def rates(restore_tokens_per_s: float | None, eval_tokens_per_s: float | None) -> tuple[RestoreRate, EvalRate]:
     restores, evals = RestoreRate(), EvalRate()
     if restore_tokens_per_s is not None:
-        restores.bytes_per_token, restores.bytes_per_s = 4000.0, 4000.0 * restore_tokens_per_s
+        restores.bytes_per_token, restores.bytes_per_s = 16_000.0, 16_000.0 * restore_tokens_per_s
     evals.tokens_per_s = eval_tokens_per_s
     return restores, evals
 
 
 CHUNKS = [Option(upto=256 * j, fetched=256 * j) for j in (1, 2, 3, 4)]
-"""Four chunks of 256 tokens of 4,000 bytes each (`rates`): one alone is just under 1 MiB."""
+"""Four chunks of 256 tokens of 16,000 bytes each (`rates`): one alone is just under 4 MiB."""
 
 
 def test_nothing_measured_restores_everything() -> None:
@@ -66,9 +66,9 @@ def test_the_context_counts_as_held() -> None:
 
 
 def test_a_small_restore_is_made_unweighed() -> None:
-    """Under 1 MiB a restore's time is latency, which a throughput does not predict: it is made, whatever the rates say."""
+    """Under 4 MiB a restore's time is latency, which a throughput does not predict: it is made, whatever the rates say."""
     restores, evals = rates(restore_tokens_per_s=1.0, eval_tokens_per_s=1e6)
-    small = [Option(upto=256, fetched=256)]  # 1,024,000 bytes
+    small = [Option(upto=256, fetched=256)]  # 4,096,000 bytes
     assert choose(small, 0, 300, restores, evals).choice == Choice.SMALL
     assert choose([Option(upto=2048, fetched=2048)], 0, 2050, restores, evals).choice == Choice.EVALUATE
 
