@@ -25,7 +25,12 @@ from worker.settings import WorkerSettings
 
 def ttft(engine: Engine, tokens: list[int]) -> dict[str, float | int]:
     """One job of one generated token on ``engine``: its time to first token and what it reused."""
-    spec = job_spec(tokens, model=engine.fingerprint, chunk_size=engine.settings.chunk_size, sampling=SamplingParams(max_tokens=1))
+    spec = job_spec(
+        tokens,
+        model=engine.fingerprint,
+        chunk_size=engine.settings.chunk_size,
+        sampling=SamplingParams(max_tokens=1, temperature=0.0, top_k=1),
+    )
     t0 = time.perf_counter()
     result = engine.run(spec, lambda _ev: True)
     took = time.perf_counter() - t0
