@@ -33,7 +33,11 @@ class StoreSettings(BaseSettings):
         le=256,
         description="Prompt tails kept per stored chunk (the most recently used); a tail lets any worker resume at the exact token.",
     )
-    store_max_bytes: int | None = Field(None, ge=0, description="Automatic eviction budget for stored blobs (bytes).")
+    store_max_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="Automatic eviction budget for stored blobs (bytes). Empty: for a folder store, 20% of the room on its disk at start-up (free space plus what it holds), at most 32 GiB; for S3, none.",
+    )
     reconcile_batch: int = Field(
         256,
         ge=0,

@@ -26,6 +26,7 @@ import numpy as np
 from store import metrics
 from store.backends import BlobBackend, open_backend
 from store.blob import BlobName, encode_blob, verify_blob
+from store.budget import store_budget
 from store.chain import Namespace, tail_key
 from store.errors import BlobCorrupt, BlobMismatch, BlobMissing, StoreUnavailable
 from store.index import RedisIndex
@@ -81,11 +82,14 @@ class Store(Maintenance):
         index = RedisIndex.from_url(
             settings.redis_url, connect_timeout_s=settings.connect_timeout_s, read_timeout_s=settings.read_timeout_s
         )
+        backend = open_backend(settings)
+        budget = store_budget(settings.store_max_bytes, backend, index.total_bytes)
+        log.info("store.budget", extra={"store": backend.endpoint, "max_bytes": budget.max_bytes, "source": budget.source})
         return cls(
-            open_backend(settings),
+            backend,
             index,
             io_threads=settings.io_threads,
-            max_bytes=settings.store_max_bytes,
+            max_bytes=budget.max_bytes,
             tails_per_chunk=settings.tails_per_chunk,
             reconcile_batch=settings.reconcile_batch,
         )
@@ -265,6 +269,8 @@ class Store(Maintenance):
             self._delete_quietly(str(BlobName(ns.key, at, old, tail=True)))
         if self.max_bytes is not None and (written or tail_blob is not None):
             self.gc(self.max_bytes)
+        elif written or tail_blob is not None:  # the bytes gauge follows a write, as it follows an eviction or a drop
+            metrics.BYTES_STORED.set(self._guard("redis", self.index.total_bytes))
         return added
 
     def _tail_of(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, keys: Sequence[bytes]) -> tuple[bytes, np.ndarray]:

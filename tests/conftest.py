@@ -11,7 +11,8 @@ import llama_cpp
 import pytest
 import redis
 
-from gateway.pool.procs import RedisServer, S3Server, WorkerProcess
+from gateway.pool.procs import RedisServer, WorkerProcess
+from gateway.pool.s3server import S3Server
 from store.backends import BlobBackend
 from store.backends.fs import FsBackend
 from store.backends.s3 import S3Backend
@@ -48,14 +49,15 @@ def s3_server() -> Iterator[S3Server]:
     server.stop()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def s3_bucket() -> str:
-    return f"kvpool-test-{uuid.uuid4().hex[:12]}"
+    """One bucket for the session (the S3 server grows storage per bucket, which takes it a second); a prefix per test."""
+    return "kvpool-test"
 
 
 @pytest.fixture
 def store_settings_s3(s3_server: S3Server, s3_bucket: str, redis_url: str) -> StoreSettings:
-    return s3_settings(s3_server.endpoint_url, s3_bucket, redis_url)
+    return s3_settings(s3_server.endpoint_url, s3_bucket, redis_url, prefix=f"pool-{uuid.uuid4().hex[:12]}")
 
 
 @pytest.fixture(params=["fs", "s3"])

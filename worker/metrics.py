@@ -49,3 +49,12 @@ LEASE_WAITS = Counter(
     _L + ["outcome"],
 )
 LEASE_WAIT_SECONDS = Histogram("kvpool_worker_lease_wait_seconds", "Time waited for another worker's prefix.", _L, buckets=_SECONDS)
+RESTORE_CHOICES = Counter(
+    "kvpool_worker_restore_choices_total",
+    "Jobs whose prompt the store held past the context, by what the worker chose: restore, partial (some chunks, the rest evaluated), evaluate, unmeasured (restore, nothing measured yet), small (restore, under 4 MiB).",
+    _L + ["choice"],
+)
+RESTORE_RATE = Gauge(
+    "kvpool_worker_restore_bytes_per_second", "This worker's moving estimate of its restore throughput (fetch, verify, load).", _L
+)
+EVAL_RATE = Gauge("kvpool_worker_eval_tokens_per_second", "This worker's moving estimate of its prompt evaluation rate.", _L)

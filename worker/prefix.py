@@ -36,15 +36,9 @@ from worker.checkpoints import restore_checkpoint
 from worker.kvchunks import cut_state, head_cells, join_state
 from worker.kvstate import StateFormatError
 from worker.leases import Claim, EvalRate, LeaseOutcome, Leases, leased_by_others
-from worker.llama_state import (
-    ContextCache,
-    Llama,
-    StateReadError,
-    StateRestoreError,
-    read_seq_state,
-    restore_seq_state,
-)
+from worker.llama_state import ContextCache, Llama, StateReadError, StateRestoreError, read_seq_state, restore_seq_state
 from worker.protocol import StoreStatus
+from worker.restore_choice import Choice, Option, RestoreRate, choose
 from worker.sequence import seq_positions
 
 log = logging.getLogger("kvpool.worker")
@@ -61,6 +55,8 @@ class Plan:
     store_tokens: int = 0
     """Leading prompt tokens the store holds, to the token (full chunks and a tail)."""
     store_status: StoreStatus = "ok"
+    choice: Choice | None = None
+    """Restore or evaluate what the store holds past the context (`worker.restore_choice`); None when it holds nothing more."""
     published: bool = False
     claim: Claim | None = None
     """Leases on the chunks this job evaluates, until its publish is over."""
@@ -133,6 +129,7 @@ class PrefixFinder:
     name: str
     siblings: Collection[str] = frozenset()
     """The names of the sequences that share this one's context and batcher (this one's among them)."""
+    restore_rate: RestoreRate = field(default_factory=RestoreRate)
 
     @property
     def llm(self) -> Llama:
@@ -156,8 +153,43 @@ class PrefixFinder:
             return plan
         hit = self.store_hit(ns, tokens, keys, plan)
         if hit is not None and min(hit.tokens, keepable(tokens)) > plan.cached_context:
-            self._restore(ns, tokens, keys, n_local, hit, plan)
+            worth = self._worth_restoring(tokens, n_local, hit, plan)
+            if worth is not None:
+                self._restore(ns, tokens, keys, n_local, worth, plan)
         return plan
+
+    def _worth_restoring(self, tokens: list[int], n_local: int, hit: Hit, plan: Plan) -> Hit | None:
+        """The part of ``hit`` whose restore, with the rest evaluated, is expected to be fastest; None: evaluate it all."""
+        c, end = hit.chunk_size, keepable(tokens)
+        local = n_local // c
+        options = [Option(min(j * c, end), (j - local) * c) for j in range(local + 1, hit.depth + 1) if min(j * c, end) > n_local]
+        if hit.tail is not None:
+            options.append(Option(min(hit.tokens, end), (hit.depth - local) * c + len(hit.tail.tokens)))
+        if not options:
+            return hit
+        d = choose(options, plan.cached_context, len(tokens), self.restore_rate, self.eval_rate)
+        plan.choice = d.choice
+        metrics.RESTORE_CHOICES.labels(**self.labels, choice=d.choice).inc()
+        if self.restore_rate.bytes_per_s is not None:
+            metrics.RESTORE_RATE.labels(**self.labels).set(self.restore_rate.bytes_per_s)
+        if self.eval_rate.tokens_per_s is not None:
+            metrics.EVAL_RATE.labels(**self.labels).set(self.eval_rate.tokens_per_s)
+        log.info(
+            "restore.choice",
+            extra={
+                "choice": str(d.choice),
+                "stored_tokens": hit.tokens,
+                "restore_upto": d.upto,
+                "restore_s": d.restore_s and round(d.restore_s, 4),
+                "evaluate_s": d.evaluate_s and round(d.evaluate_s, 4),
+                "cold_s": d.cold_s and round(d.cold_s, 4),
+            },
+        )
+        if d.choice == Choice.EVALUATE:
+            return None
+        if d.choice == Choice.PARTIAL and d.upto < min(hit.tokens, end):
+            return Hit(depth=-(-d.upto // c), chunk_size=c)
+        return hit
 
     def coalesce(self, ns: Namespace, tokens: list[int], keys: list[BlobKey], plan: Plan) -> Plan:
         """Lease the chunks this job will evaluate; where another worker is evaluating them, wait for its publish.
@@ -257,6 +289,9 @@ class PrefixFinder:
             return
         plan.timings["restore"] = time.perf_counter() - t2
         self.held.hold(ns.tenant_salt, n_restore)
+        fetched = sum(len(p) for p in got.chunks) + (len(got.tail) if got.tail is not None else 0)
+        fetched_tokens = len(got.chunks) * c + (len(hit.tail.tokens) if hit.tail and got.tail is not None else 0)
+        self.restore_rate.observe(fetched, fetched_tokens, time.perf_counter() - t1)
         metrics.RESTORE_SECONDS.labels(**self.labels).observe(time.perf_counter() - t1)
         metrics.RESTORE_BYTES.labels(**self.labels).inc(sum(len(p) for p in remote))
         plan.cached_context = min(local_chunks * c, keepable(tokens))

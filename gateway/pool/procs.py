@@ -1,4 +1,4 @@
-"""Every process kvpool starts: redis-server, a local S3 endpoint, ``kvpool worker``, ``kvpool gateway`` and ``llama-server``.
+"""Every process kvpool starts: redis-server, a local S3 server, ``kvpool worker``, ``kvpool gateway`` and ``llama-server``.
 
 ``kvpool up``, the benchmarks and the tests all start processes through this module, and
 only through it. Each process runs in its own session, so a Ctrl-C in a terminal reaches
@@ -11,7 +11,6 @@ The library packages never import this module: starting processes is the edge's 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import shutil
@@ -33,7 +32,7 @@ from worker.protocol import slot_names
 
 S3_ACCESS_KEY = "kvpool-local"
 S3_SECRET_KEY = "kvpool-local-secret"
-"""Credentials of the local S3 endpoint (moto accepts any; these are what kvpool hands it)."""
+"""Credentials of the local S3 server (`S3Server` is started with these as its one identity)."""
 
 
 SPAWNED_S = 60.0
@@ -135,6 +134,8 @@ class Process(ABC):
     """A child process with its output in a log file; subclasses say how to start it and when it is ready."""
 
     what = "process"
+    cwd: os.PathLike[str] | str | None = None
+    """Where it runs (None: here)."""
 
     def __init__(self, log_path: os.PathLike[str] | str, env: dict[str, str] | None = None, *, inherit_settings: bool = True) -> None:
         self.log_path = log_path
@@ -149,7 +150,9 @@ class Process(ABC):
 
     def spawn(self) -> Self:
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.args(), env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.args(), env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.cwd
+            )
         return self
 
     def wait_ready(self, timeout_s: float = 120.0) -> Self:
@@ -314,36 +317,6 @@ class RedisServer(Process):
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-class S3Server(Process):
-    """A local S3-compatible endpoint (moto's server mode) over real HTTP, for the tests and the benchmarks.
-
-    boto3 reaches it with an endpoint URL, exactly as it reaches MinIO in deployment.
-    Needs ``moto[server]`` (a test extra).
-    """
-
-    what = "the S3 endpoint (moto)"
-
-    def __init__(self, port: int | None = None, log_path: os.PathLike[str] | str = os.devnull) -> None:
-        super().__init__(log_path)
-        self.port = port or free_port()
-
-    @property
-    def endpoint_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def args(self) -> list[str]:
-        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
-
-    def ready(self) -> bool:
-        return http_ok(self.endpoint_url + "/moto-api/")()
-
-    def start(self, timeout_s: float = 30.0) -> Self:
-        if importlib.util.find_spec("moto") is None:
-            raise RuntimeError("a local S3 endpoint needs moto[server] (pip install 'moto[server]')")
-        super().start(timeout_s)
-        return self
 
 
 @contextmanager

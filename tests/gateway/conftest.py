@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.pool.procs import GatewayProcess, S3Server, free_port
+from gateway.pool.procs import GatewayProcess, free_port
+from gateway.pool.s3server import S3Server
 from tests.helpers import TOOLS_TEMPLATE, SharedPool, Tenancy, shared_pool
 
 

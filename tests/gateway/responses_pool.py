@@ -18,7 +18,8 @@ from pathlib import Path
 import openai
 import redis
 
-from gateway.pool.procs import GatewayProcess, RedisServer, S3Server, WorkerProcess, free_port
+from gateway.pool.procs import GatewayProcess, RedisServer, WorkerProcess, free_port
+from gateway.pool.s3server import S3Server
 from gateway.responses_api.state import ResponseState
 from gateway.tenants import Tenants
 from tests.helpers import POOL_CHUNK, TOOLS_TEMPLATE, env_for_pool, s3_settings

@@ -6,7 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway.pool.procs import RedisServer, S3Server, free_port
+from gateway.pool.procs import RedisServer, free_port
+from gateway.pool.s3server import S3Server
 from store.backends.s3 import S3Backend
 from store.chain import CacheFormat, Namespace
 from store.errors import StoreUnavailable
@@ -97,8 +98,9 @@ def test_an_s3_that_comes_back_empty_is_data_lost_not_an_outage(own_s3: S3Server
     store = open_s3_store(own_s3, redis_url)
     store.publish(NS, TOKENS, KEYS, {i: b"payload" for i in range(len(KEYS))})
     own_s3.stop()
-    own_s3.start()  # the same endpoint again, with no buckets: moto keeps nothing
-    assert not store.backend.exists("anything"), "the endpoint answers (moto loads its S3 backend on the first request)"
+    own_s3.wipe()
+    own_s3.start()  # the same endpoint again, its disk lost: no buckets
+    assert not store.backend.exists("anything"), "the endpoint answers"
     assert stored_depth(store, NS, KEYS) == len(KEYS)
     assert store.fetch(NS, TOKENS, KEYS, 0, len(KEYS)) == []
     assert stored_depth(store, NS, KEYS) == 0, "every entry of the chain from the missing chunk on is dropped"

@@ -1,6 +1,6 @@
 """Index entries whose blob is gone: dropped with all that hangs from them, and reconciled after an outage.
 
-On a real redis-server and S3 over HTTP (moto), and the filesystem where a test runs on
+On a real redis-server and S3 over HTTP (SeaweedFS), and the filesystem where a test runs on
 each backend: a fetch that finds a blob missing drops its entry, the chunks deeper on
 its chains and the tails hanging from them, so the bytes counted are the bytes stored;
 an unreachable S3 drops nothing; and once the store answers again after an outage, a
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from gateway.pool.procs import RedisServer, S3Server
+from gateway.pool.procs import RedisServer
+from gateway.pool.s3server import S3Server
 from store.backends.fs import FsBackend
 from store.backends.s3 import S3Backend
 from store.blob import BlobName
@@ -61,7 +62,7 @@ def gauge(name: str) -> float:
 
 @pytest.fixture
 def own_s3() -> Iterator[S3Server]:
-    """An S3 endpoint this test may stop (and start again, empty: moto keeps nothing)."""
+    """An S3 server this test may stop (and start again, empty once wiped)."""
     server = S3Server().start()
     yield server
     server.stop()
@@ -146,6 +147,7 @@ def test_after_an_outage_a_bounded_reconciliation_drops_what_is_gone_without_a_l
         own_s3.stop()
         with pytest.raises(StoreUnavailable):
             publish(store, prompt(20, 16))  # the store sees the outage
+        own_s3.wipe()
         own_s3.start()  # back, and empty
         assert store.reconciler.last is None
         fresh = publish(store, prompt(21, 3 * 8))  # the first operation that succeeds again starts the reconciliation

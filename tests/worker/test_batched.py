@@ -18,14 +18,15 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
 import pytest
 
-from gateway.pool.procs import RedisServer, S3Server
+from gateway.pool.procs import RedisServer
+from gateway.pool.s3server import S3Server
 from store.store import Store
 from tests.helpers import PoolClient, cold_generate, cold_greedy, prompt_text, s3_settings
 from worker.client import events
@@ -205,11 +206,16 @@ def test_two_sequences_sent_the_same_prompt_at_once_evaluate_it_once(engines: li
         assert e.leases is not None and e.leases.min_wait_s == 0.0
         e.forget_context()
     engines[0].eval_rate.tokens_per_s = 1e9  # shared by the sequences: evaluating here "takes no time"
+    restores = [replace(e.finder.restore_rate) for e in engines[:2]]
+    for e in engines[:2]:  # and restoring less than none, so that the one that waited restores (worker.restore_choice)
+        e.finder.restore_rate.bytes_per_token, e.finder.restore_rate.bytes_per_s = 1.0, 1e12
     try:
         prompt = cold.tokenize(prompt_text(43, 300).encode())
         a, b = together([lambda e=e: ask(e, prompt) for e in engines[:2]])
     finally:
         engines[0].eval_rate.tokens_per_s = rate
+        for e, r in zip(engines[:2], restores, strict=True):
+            e.finder.restore_rate = r
     assert {engines[0].leases.owner, engines[1].leases.owner} == {"b.0", "b.1"}
     full = len(prompt) // CHUNK * CHUNK
     assert sorted([a.cached_store, b.cached_store])[1] >= full, "both sequences evaluated the prompt"

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway.pool.procs import S3Server
+from gateway.pool.s3server import S3Server
 from store.chain import tail_key
 from store.store import Store
 from tests.helpers import s3_settings

@@ -9,7 +9,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.pool.procs import S3Server
+from gateway.pool.s3server import S3Server
 from store.blob import BlobName
 from store.index import RedisIndex
 from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, prompt_text, s3_client, s3_settings

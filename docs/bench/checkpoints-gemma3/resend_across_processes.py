@@ -7,7 +7,8 @@ from pathlib import Path
 
 import redis
 
-from gateway.pool.procs import RedisServer, S3Server, WorkerProcess
+from gateway.pool.procs import RedisServer, WorkerProcess
+from gateway.pool.s3server import S3Server
 from store.checkpoints import checkpoint_key
 from store.index import RedisIndex
 from tests.helpers import PoolClient, env_for_pool, prompt_text, s3_settings

@@ -73,7 +73,7 @@ def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:
     type=click.Choice(["s3", "fs"]),
     default="s3",
     show_default=True,
-    help="Blob store: an S3 endpoint (moto started here unless --s3-endpoint-url) or a local folder.",
+    help="Blob store: an S3 endpoint (SeaweedFS started here unless --s3-endpoint-url) or a local folder.",
 )
 @click.option("--s3-endpoint-url", help="Use this S3 endpoint (credentials from KVPOOL_S3_ACCESS_KEY_ID/SECRET) instead of starting one.")
 @click.option("--workloads", default=",".join(WORKLOAD_KEYS), show_default=True, help="Comma-separated subset of the workloads.")

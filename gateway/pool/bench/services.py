@@ -1,4 +1,4 @@
-"""The processes a bench run owns: redis-server, an S3 endpoint (moto) or a store folder, and kvpool workers.
+"""The processes a bench run owns: redis-server, an S3 server (SeaweedFS) or a store folder, and kvpool workers.
 
 Everything is started on free loopback ports under one scratch folder and stopped by
 `Services.close`, which the runner calls from ``finally`` (so also on Ctrl-C and on
@@ -19,7 +19,8 @@ from typing import Any
 
 from redis import Redis
 
-from gateway.pool.procs import S3_ACCESS_KEY, S3_SECRET_KEY, RedisServer, S3Server, WorkerProcess, free_port
+from gateway.pool.procs import S3_ACCESS_KEY, S3_SECRET_KEY, RedisServer, WorkerProcess, free_port
+from gateway.pool.s3server import S3Server
 from store.settings import StoreSettings
 
 BUCKET = "kvpool-bench"
@@ -78,7 +79,7 @@ class Services:
     def describe_store(self) -> str:
         if self.store_kind == "fs":
             return "local directory"
-        return f"S3 at {self.store_env['KVPOOL_S3_ENDPOINT_URL']}" + ("" if self.s3_endpoint_url else " (moto server, loopback)")
+        return f"S3 at {self.store_env['KVPOOL_S3_ENDPOINT_URL']}" + ("" if self.s3_endpoint_url else " (SeaweedFS server, loopback)")
 
     def start_workers(
         self, specs: list[WorkerSpec], *, model: Path, chunk_size: int, n_ctx: int, timeout_s: float = 600.0

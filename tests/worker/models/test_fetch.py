@@ -10,7 +10,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from gateway.pool.procs import S3Server
+from gateway.pool.s3server import S3Server
 from store.errors import StoreUnavailable
 from tests.helpers import s3_settings
 from worker.models.fetch import ModelChecksumError, fetch_model, resolve_model
