@@ -75,14 +75,14 @@ def prepare_turn(preparer: Preparer, req: ResponseCreate, tenant: Tenant, prev: 
     key = render_key(preparer, req.instructions, tools)
     tokens, continued = _tokens(preparer, chat, new, prev if prev is not None and prev.render_key == key else None)
     n_ctx = preparer.settings.n_ctx
-    budget = chat.token_budget(max(1, n_ctx - len(tokens)))  # no max_output_tokens: up to the end of the context, as OpenAI
-    if len(tokens) + budget > n_ctx:
+    if len(tokens) >= n_ctx:
         raise InvalidRequest(
-            f"the input is {len(tokens)} tokens (the conversation so far included) and max_output_tokens {budget}: together more "
-            f"than the model's context of {n_ctx} tokens; start a shorter conversation or lower max_output_tokens",
+            f"the input is {len(tokens)} tokens (the conversation so far included), which fills the model's context of {n_ctx} "
+            "tokens; start a shorter conversation",
             param="input",
             code="context_length_exceeded",
         )
+    budget = min(chat.token_budget(n_ctx), n_ctx - len(tokens))  # up to the end of the context at most, as llama-server
     prepared = preparer._job(chat, tokens, budget, tok.chat_stops, None, tenant, chat=True, grammar=_grammar(preparer, chat))
     offered = preparer.tool_format.offered(chat)
     return Turn(Prepared(prepared.spec, chat=True, tools=offered), history + new, key, offered, continued)

@@ -79,7 +79,7 @@ BAD = [
     ("a server tool", {**OK, "tools": [{"name": "web_search", "type": "web_search_20250305", "input_schema": {}}]}, ["tools.0.type", "server tools"]),
     ("tool_choice naming no tool", {**OK, "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool", "name": "g"}}, ["tool_choice.name", "'g'"]),
     ("tool_choice of an unknown type", {**OK, "tool_choice": {"type": "always"}}, ["tool_choice"]),
-    ("a schema the grammar cannot enforce", {**OK, "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}}], "tool_choice": {"type": "any"}}, ["minimum"]),
+    ("a strict schema the grammar cannot enforce", {**OK, "tools": [{"name": "f", "strict": True, "input_schema": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}}], "tool_choice": {"type": "any"}}, ["tools.0.input_schema.properties.n.minimum"]),
     ("stop_sequences is a string", {**OK, "stop_sequences": "x"}, ["stop_sequences"]),
     ("a lone surrogate", b'{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "a \\ud800"}]}' % MODEL.encode(), ["surrogate"]),
     ("a prompt longer than the context", {**OK, "messages": [{"role": "user", "content": "lantern " * 3000}]}, ["prompt is too long", "2047"]),
