@@ -15,7 +15,7 @@ in the prompt, where the model still reads it:
 * a list of types with other keywords: one branch per type (``anyOf``);
 * an unknown type, a remote ``$ref``, an unanchored ``pattern``, a malformed ``required``
   or ``enum``, an ``allOf`` of non-object schemas: dropped;
-* a sub-schema that is not an object, or ``false``: any value.
+* a sub-schema that is not an object (``false`` included), or one of annotations alone: any value.
 
 What cannot be loosened is still refused: a schema too large or nested too deep (those
 limits guard the gateway, not the grammar). Integer ranges are not enforced: the
@@ -39,6 +39,8 @@ TYPES = frozenset({"string", "number", "integer", "boolean", "null", "object", "
 MAX_REPEAT = 1000
 """Largest minLength / maxLength / minItems / maxItems (each is unrolled into rules)."""
 LENGTHS = ("minLength", "maxLength", "minItems", "maxItems")
+ANY = {"type": ["string", "number", "boolean", "null", "object", "array"]}
+"""Any JSON value (the converter reads ``{}`` as any object, and a schema of annotations alone as nothing it knows)."""
 
 
 def loosen(node: Any, formats: frozenset[str], depth: int = 0, max_depth: int = 64) -> Any:
@@ -46,8 +48,10 @@ def loosen(node: Any, formats: frozenset[str], depth: int = 0, max_depth: int = 
     if depth > max_depth:
         return node  # refused by the check, which names the depth
     if not isinstance(node, dict):
-        return {}
+        return dict(ANY)
     out = {k: v for k, v in node.items() if k in SUPPORTED or k in ANNOTATIONS}
+    if not set(out) & SUPPORTED:
+        return {**out, **ANY}  # annotations alone (or nothing enforceable): any value, where the converter would refuse
     _loosen_values(out, formats)
     for key in ("properties", "$defs", "definitions"):
         if isinstance(out.get(key), dict):
@@ -65,7 +69,7 @@ def loosen(node: Any, formats: frozenset[str], depth: int = 0, max_depth: int = 
     if isinstance(items, list):
         out["items"] = [loosen(sub, formats, depth + 1, max_depth) for sub in items]
     elif items is not None:
-        out["items"] = loosen(items, formats, depth + 1, max_depth) if items is not False else {}
+        out["items"] = loosen(items, formats, depth + 1, max_depth)
     extra = out.get("additionalProperties")
     if isinstance(extra, dict):
         out["additionalProperties"] = loosen(extra, formats, depth + 1, max_depth)

@@ -102,6 +102,8 @@ def _check(req: CountTokensRequest) -> None:
             raise InvalidRequest(
                 f"tools.{i}.type: server tools ({t.type!r}) are not supported; kvpool serves client tools (type 'custom')", param="tools"
             )
+        if t.input_schema is None:
+            raise InvalidRequest(f"tools.{i}.input_schema: Field required", param="tools")
     blocks = [b for m in req.messages if isinstance(m.content, list) for b in m.content]
     system = req.system if isinstance(req.system, list) else []
     marked = [x for x in [*(req.tools or []), *system, *blocks, req] if x.cache_control is not None]

@@ -77,6 +77,7 @@ BAD = [
     ("a tool without input_schema", {**OK, "tools": [{"name": "f"}]}, ["tools.0.input_schema"]),
     ("a bad tool name", {**OK, "tools": [{"name": "f g", "input_schema": {"type": "object"}}]}, ["tools.0.name"]),
     ("a server tool", {**OK, "tools": [{"name": "web_search", "type": "web_search_20250305", "input_schema": {}}]}, ["tools.0.type", "server tools"]),
+    ("a server tool as sent", {**OK, "tools": [{"name": "web_search", "type": "web_search_20250305", "max_uses": 5}]}, ["tools.0.type", "web_search_20250305"]),
     ("tool_choice naming no tool", {**OK, "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool", "name": "g"}}, ["tool_choice.name", "'g'"]),
     ("tool_choice of an unknown type", {**OK, "tool_choice": {"type": "always"}}, ["tool_choice"]),
     ("a strict schema the grammar cannot enforce", {**OK, "tools": [{"name": "f", "strict": True, "input_schema": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}}], "tool_choice": {"type": "any"}}, ["tools.0.input_schema.properties.n.minimum"]),
