@@ -59,7 +59,7 @@ for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null &
 curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null || { say "the pool did not start: $work/pool.log"; tail -20 "$work/pool.log"; exit 1; }
 
 proxy() {  # proxy PORT DIR: a recording proxy in front of the gateway
-    python3 "$root/deploy/agents_proxy.py" --port "$1" --upstream "http://127.0.0.1:$port" --out "$2" &
+    python3 "$root/deploy/agents_proxy.py" serve --port "$1" --upstream "http://127.0.0.1:$port" --out "$2" &
     pids+=($!)
     for _ in $(seq 50); do curl -s -o /dev/null "http://127.0.0.1:$1/" && return; sleep 0.1; done
 }
@@ -78,7 +78,7 @@ wire_api = "responses"
 env_key = "KVPOOL_API_KEY"
 EOF
 
-mark() { wc -l <"$1/requests.jsonl" 2>/dev/null || echo 0; }
+mark() { date +%s.%N; }  # when a session starts: its requests arrive after
 for i in 0 1; do
     say "Claude Code, session $((i + 1)): ${first_prompts[$i]}"
     mark "$work/claude-code" >"$work/claude-code/session$((i + 1)).start"
@@ -95,46 +95,5 @@ for i in 0 1; do
 done
 
 mkdir -p "$out"
-"$python" - "$work" "$out" "$name" "$("$claude" --version)" "$("$codex" --version)" <<'EOF'
-import json, shutil, sys
-from pathlib import Path
-
-work, out, model, claude_version, codex_version = Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:]
-
-
-def cached_share(u: dict) -> tuple[int, int]:
-    """(tokens read from cache, prompt tokens) of an answer's usage, Anthropic's or the Responses API's."""
-    if "cache_read_input_tokens" in u:
-        read = u.get("cache_read_input_tokens") or 0
-        return read, read + (u.get("input_tokens") or 0) + (u.get("cache_creation_input_tokens") or 0)
-    return (u.get("input_tokens_details") or {}).get("cached_tokens") or 0, u.get("input_tokens") or 0
-
-
-lines, ok = [f"# kvpool with coding agents: {model}", "", f"- Claude Code {claude_version}", f"- Codex {codex_version}", ""], True
-for agent in ("claude-code", "codex"):
-    rows = [json.loads(x) for x in (work / agent / "requests.jsonl").read_text().splitlines()] if (work / agent / "requests.jsonl").exists() else []
-    api = [r for r in rows if r["method"] == "POST"]
-    bad = [r for r in api if r["status"] != 200]
-    start2 = int((work / agent / "session2.start").read_text().strip() or 0)
-    second = next((r for r in api if r["n"] > start2 and r["usage"]), None)
-    read, prompt = cached_share(second["usage"]) if second else (0, 0)
-    share = read / prompt if prompt else 0.0
-    passed = bool(api) and not bad and share >= 0.85
-    ok &= passed
-    lines += [f"## {agent}: {'PASS' if passed else 'FAIL'}", "",
-              f"- requests to the API: {len(api)}, answered 200: {len(api) - len(bad)}"
-              + (f"; others: {sorted({r['status'] for r in bad})}" if bad else ""),
-              f"- second session's first answered request: {read} of {prompt} prompt tokens read from cache ({share:.1%})"
-              + (f", first byte after {second['first_byte_s']} s" if second else ""), ""]
-    lines += [f"  - {r['path']} {r['status']}: {(r['error'] or '')[:300]}" for r in bad[:10]]
-    lines += ["", "| # | path | status | first byte s | total s | prompt | cached |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        c, p = cached_share(r["usage"]) if r["usage"] else (0, 0)
-        lines.append(f"| {r['n']} | {r['method']} {r['path']} | {r['status']} | {r['first_byte_s']} | {r['total_s']} | {p} | {c} |")
-    lines.append("")
-    if (work / agent / "requests.jsonl").exists():
-        shutil.copy(work / agent / "requests.jsonl", out / f"{agent}-requests.jsonl")
-(out / "report.md").write_text("\n".join(lines) + "\n")
-print("\n".join(lines))
-sys.exit(0 if ok else 1)
-EOF
+python3 "$root/deploy/agents_proxy.py" report --work "$work" --out "$out" --model "$name" \
+    --versions "Claude Code $("$claude" --version)" "Codex $("$codex" --version)"
