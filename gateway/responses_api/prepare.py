@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,7 +89,7 @@ def prepare_turn(preparer: Preparer, req: ResponseCreate, tenant: Tenant, prev: 
             code="context_length_exceeded",
         )
     budget = min(chat.token_budget(n_ctx), n_ctx - len(tokens))  # up to the end of the context at most, as llama-server
-    prepared = preparer._job(chat, tokens, budget, tok.chat_stops, None, tenant, chat=True, grammar=_grammar(preparer, chat))
+    prepared = preparer._job(chat, tokens, budget, tok.chat_stops, None, tenant, chat=True, grammar=_grammar(preparer, chat, tools.paths))
     offered = preparer.tool_format.offered(chat)
     return Turn(Prepared(prepared.spec, chat=True, tools=offered), history + new, key, offered, continued, tools.namespaces, tools.left_out)
 
@@ -196,9 +197,11 @@ def _tokens(preparer: Preparer, chat: ChatCompletionRequest, new: list[dict[str,
         raise InvalidRequest(_renamed(e.message), param="input") from None
 
 
-def _grammar(preparer: Preparer, chat: ChatCompletionRequest) -> str | None:
+def _grammar(preparer: Preparer, chat: ChatCompletionRequest, paths: list[str]) -> str | None:
+    """The answer's grammar; an error names the field as the request does (a namespace's function: ``tools.4.tools.0...``)."""
     vocab = preparer.tokenizer.llm._model.vocab
     try:
         return preparer.tool_format.grammar(chat, vocab) or response_grammar(chat.response_format, vocab)
     except InvalidRequest as e:
-        raise InvalidRequest(_renamed(e.message), param=_PARAMS.get(e.param or "", e.param)) from None
+        message = re.sub(r"\btools\.(\d+)\.function\.", lambda m: f"{paths[int(m[1])]}." if int(m[1]) < len(paths) else m[0], e.message)
+        raise InvalidRequest(_renamed(message), param=_PARAMS.get(e.param or "", e.param)) from None

@@ -208,6 +208,8 @@ class Tools:
     """Function name to its namespace tool's name, for the functions a ``namespace`` tool holds."""
     left_out: list[str] = field(default_factory=list)
     """The type of each built-in tool left out, in order."""
+    paths: list[str] = field(default_factory=list)
+    """Where the request holds each function (``tools.4.tools.0`` for one in a namespace), for error messages."""
 
 
 def parse_tools(raw: list[dict[str, Any]] | None) -> Tools:
@@ -219,10 +221,12 @@ def parse_tools(raw: list[dict[str, Any]] | None) -> Tools:
             for j, inner in enumerate(doc["tools"]):
                 tools.functions.append(_function(inner, f"tools.{i}.tools.{j}"))
                 tools.namespaces[tools.functions[-1].name] = doc["name"]
+                tools.paths.append(f"tools.{i}.tools.{j}")
         elif kind in BUILT_IN:
             tools.left_out.append(str(kind))
         elif kind == "function":
             tools.functions.append(_function(doc, f"tools.{i}"))
+            tools.paths.append(f"tools.{i}")
         else:
             raise InvalidRequest(
                 f"tools.{i}.type: {kind!r} tools are not supported: kvpool serves function tools (and namespaces of them)",

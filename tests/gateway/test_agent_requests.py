@@ -23,6 +23,7 @@ from pydantic import TypeAdapter
 
 from tests.helpers import SMOL, Pool, running_pool
 
+pytestmark = pytest.mark.timeout(1200)  # an agent's prompt is 24,000 tokens: minutes of evaluation on a few cores
 AGENTS = Path(__file__).parent / "agents"
 CLAUDE_CODE = AGENTS / "claude-code-2.1.197-first-request.json"
 CODEX = AGENTS / "codex-0.171.0-first-request.json"

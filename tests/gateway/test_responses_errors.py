@@ -16,6 +16,11 @@ from tests.helpers import SMOL, prompt_text
 A = {"Authorization": "Bearer key-a"}
 B = {"Authorization": "Bearer key-b"}
 CALL = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+STRICT_MINIMUM = {
+    "type": "function",
+    "strict": True,
+    "parameters": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}},
+}
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +50,15 @@ BAD = [
     ({"input": [{**CALL, "name": "no spaces allowed"}]}, 400, "input", "input.0.name"),
     ({"previous_response_id": "resp_nope"}, 400, "previous_response_id", "Previous response with id 'resp_nope' not found"),
     ({"tools": [{"type": "teleport"}]}, 400, "tools", "tools.0.type"),
+    (
+        {
+            "tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "a"}, {**STRICT_MINIMUM, "name": "b"}]}],
+            "tool_choice": "required",
+        },
+        400,
+        "tools",
+        "tools.0.tools.1.parameters.properties.n.minimum",
+    ),
     ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "web_search"}]}]}, 400, "tools", "tools.0.tools.0.type"),
     ({"tools": [{"type": "function", "name": "a b"}]}, 400, "tools", "tools.0.name"),
     ({"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}]}, 400, "tools", "unique"),
