@@ -27,6 +27,9 @@ pytestmark = pytest.mark.timeout(1200)  # an agent's prompt is 24,000 tokens: mi
 AGENTS = Path(__file__).parent / "agents"
 CLAUDE_CODE = AGENTS / "claude-code-2.1.197-first-request.json"
 CODEX = AGENTS / "codex-0.171.0-first-request.json"
+CODEX_AFTER_CALLS = AGENTS / "codex-0.171.0-second-request.json"
+"""Codex's next turn: the model had called ``send_input`` of the ``multi_agent_v1`` namespace four times; the calls come back
+with their namespace, and each output with its ``call_id``."""
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +85,16 @@ def test_codexs_first_request_is_served_as_it_sends_it(agents_pool: Pool) -> Non
     final = sent[-1]["response"]
     assert final["kvpool"]["tools_left_out"] == ["web_search"]  # the response says what the prompt left out
     openai.types.responses.Response.model_validate(final)
+
+    after = json.loads(CODEX_AFTER_CALLS.read_text())
+    TypeAdapter(ResponseCreateParams).validate_python(after)
+    assert {i.get("namespace") for i in after["input"] if i["type"] == "function_call"} == {"multi_agent_v1"}
+    r = httpx.post(
+        agents_pool.gateway.url + "/v1/responses", json={**after, "model": SMOL, "max_output_tokens": 4, "stream": False}, timeout=900
+    )
+    assert r.status_code == 200, r.text
+    usage = openai.types.responses.Response.model_validate(r.json()).usage
+    assert usage is not None and usage.input_tokens_details.cached_tokens > 0.8 * usage.input_tokens  # the first turn's prefix
 
 
 SPAWN = {
