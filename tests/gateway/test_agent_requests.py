@@ -118,7 +118,7 @@ def test_a_namespace_tool_is_offered_as_its_functions_and_a_call_names_its_names
         temperature=0,
     )
     [call] = [o for o in r.output if o.type == "function_call"]
-    assert call.name == "spawn_agent" and call.model_extra["namespace"] == "multi_agent_v1"  # type: ignore[index]
+    assert call.name == "spawn_agent" and call.namespace == "multi_agent_v1"
     assert r.model_extra["kvpool"]["tools_left_out"] == ["web_search"]  # type: ignore[index]
 
     # Codex sends some outputs without call_id, naming the function (and namespace) instead: they answer its last call.
