@@ -19,6 +19,7 @@
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
 out=${1:-$root/docs/agents-check}
 port=${PORT:-18000}
 timeout_s=${AGENT_TIMEOUT_S:-1800}
