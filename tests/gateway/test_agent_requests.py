@@ -23,7 +23,7 @@ from pydantic import TypeAdapter
 
 from tests.helpers import SMOL, Pool, running_pool
 
-pytestmark = pytest.mark.timeout(1200)  # an agent's prompt is 24,000 tokens: minutes of evaluation on a few cores
+pytestmark = pytest.mark.timeout(2400)  # an agent's prompt is 24,000 tokens: minutes of evaluation on a few cores
 AGENTS = Path(__file__).parent / "agents"
 CLAUDE_CODE = AGENTS / "claude-code-2.1.197-first-request.json"
 CODEX = AGENTS / "codex-0.171.0-first-request.json"
@@ -42,7 +42,8 @@ def agents_pool(redis_server, s3_server, smollm2: Path, tmp_path_factory: pytest
         tmp_path_factory.mktemp("agents"),
         ["smol-1"],
         KVPOOL_N_CTX="32768",
-        KVPOOL_REQUEST_TIMEOUT_S="900",
+        KVPOOL_REQUEST_TIMEOUT_S="1100",
+        KVPOOL_JOB_TIMEOUT_S="1100",
     ) as pool:
         yield pool
 
@@ -56,7 +57,7 @@ def test_claude_codes_first_request_is_served_as_it_sends_it(agents_pool: Pool) 
     TypeAdapter(MessageCreateParams).validate_python(body)
     assert body["system"][0]["text"].startswith("x-anthropic-billing-header:") and len(body["tools"]) >= 20
     body = {**body, "model": SMOL, "max_tokens": 4}
-    with httpx.stream("POST", agents_pool.gateway.url + "/v1/messages?beta=true", json=body, headers={"x-api-key": "x"}, timeout=900) as r:
+    with httpx.stream("POST", agents_pool.gateway.url + "/v1/messages?beta=true", json=body, headers={"x-api-key": "x"}, timeout=1100) as r:
         assert r.status_code == 200, r.read()
         sent = events(r)
     stream = TypeAdapter(list[anthropic.types.RawMessageStreamEvent]).validate_python(sent)
@@ -64,7 +65,7 @@ def test_claude_codes_first_request_is_served_as_it_sends_it(agents_pool: Pool) 
     [delta] = [e for e in stream if e.type == "message_delta"]
     assert delta.delta.stop_reason == "max_tokens" and delta.usage.output_tokens == 4
 
-    again = httpx.post(agents_pool.gateway.url + "/v1/messages?beta=true", json={**body, "stream": False}, timeout=900)
+    again = httpx.post(agents_pool.gateway.url + "/v1/messages?beta=true", json={**body, "stream": False}, timeout=1100)
     message = anthropic.types.Message.model_validate(again.json())
     assert message.usage.cache_read_input_tokens and message.usage.cache_read_input_tokens > 0.9 * (
         message.usage.cache_read_input_tokens + message.usage.input_tokens
@@ -77,7 +78,7 @@ def test_codexs_first_request_is_served_as_it_sends_it(agents_pool: Pool) -> Non
     kinds = [t["type"] for t in body["tools"]]
     assert "namespace" in kinds and "web_search" in kinds
     body = {**body, "model": SMOL, "max_output_tokens": 4}
-    with httpx.stream("POST", agents_pool.gateway.url + "/v1/responses", json=body, timeout=900) as r:
+    with httpx.stream("POST", agents_pool.gateway.url + "/v1/responses", json=body, timeout=1100) as r:
         assert r.status_code == 200, r.read()
         sent = events(r)
     stream = TypeAdapter(list[openai.types.responses.ResponseStreamEvent]).validate_python(sent)
@@ -90,7 +91,7 @@ def test_codexs_first_request_is_served_as_it_sends_it(agents_pool: Pool) -> Non
     TypeAdapter(ResponseCreateParams).validate_python(after)
     assert {i.get("namespace") for i in after["input"] if i["type"] == "function_call"} == {"multi_agent_v1"}
     r = httpx.post(
-        agents_pool.gateway.url + "/v1/responses", json={**after, "model": SMOL, "max_output_tokens": 4, "stream": False}, timeout=900
+        agents_pool.gateway.url + "/v1/responses", json={**after, "model": SMOL, "max_output_tokens": 4, "stream": False}, timeout=1100
     )
     assert r.status_code == 200, r.text
     usage = openai.types.responses.Response.model_validate(r.json()).usage
