@@ -7,7 +7,7 @@ import json
 import jsonschema
 import pytest
 
-from gateway.structured import check_schema, schema_grammar
+from gateway.structured import SchemaError, check_schema, schema_grammar
 from tests.gateway.test_errors import assert_openai_error
 from tests.helpers import SMOL, openai_client, prompt_text
 
@@ -160,3 +160,13 @@ def test_bad_response_formats_are_400(smol_pool) -> None:
     bad({"type": "json_schema", "json_schema": {"name": "x", "schema": deep}}, "deeper")
     wide = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 200} for i in range(400)}}
     bad({"type": "json_schema", "json_schema": {"name": "x", "schema": wide}}, "larger")
+
+
+def test_a_sub_schema_of_annotations_alone_is_any_value_without_strict() -> None:
+    """Claude Code's Workflow tool has ``"args": {"description": ...}``: a hint, not a schema the converter knows."""
+    schema = {"type": "object", "properties": {"args": {"description": "Any JSON value."}}, "required": ["args"]}
+    loosened = check_schema(schema, "schema", strict=False)
+    assert loosened["properties"]["args"]["description"] == "Any JSON value." and "type" in loosened["properties"]["args"]
+    assert schema_grammar(loosened)
+    with pytest.raises(SchemaError):
+        schema_grammar(schema, strict=True)  # strict: the converter knows no such schema, a 400
