@@ -30,7 +30,7 @@ from gateway.batch.records import Batches
 from gateway.batch.service import BatchService
 from gateway.errors import APIError, internal_error, to_api_error
 from gateway.idempotency import submit_once
-from gateway.middleware import BodyLimit, CountRequests
+from gateway.middleware import BodyLimit, CountRequests, noted
 from gateway.responses_api.routes import responses_router
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
@@ -82,7 +82,7 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
     _add_error_handlers(app)
 
     async def tenant_of(request: Request) -> Tenant:
-        return gw.tenants.resolve(request.headers.get("authorization"))
+        return noted(request, gw.tenants.resolve(request.headers.get("authorization")))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -108,7 +108,7 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
     if settings.batch_api:
         app.include_router(batch_router(settings, Files(lambda: open_backend(settings)), Batches(gw.redis), tenant_of))
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, paths={"/v1/files": settings.max_file_bytes}, shapes=ERROR_SHAPES)
-    app.add_middleware(CountRequests)
+    app.add_middleware(CountRequests, routes=app.router.routes)
     return app
 
 

@@ -2,7 +2,7 @@
 
     APIError (500 server_error)
     ├── InvalidRequest (400)        the client's mistake, naming the field
-    │   ├── ContextOverflow (400)   prompt plus max_tokens beyond the context
+    │   ├── ContextOverflow (400)   a prompt that fills the context alone
     │   ├── TemplateError (400)     the chat template refuses these messages (`gateway.tokenizer`)
     │   └── SchemaError (400)       a JSON Schema a grammar cannot enforce, naming where (`gateway.structured`)
     ├── Unauthorized (401)
@@ -71,11 +71,11 @@ class InvalidRequest(APIError):
 
 
 class ContextOverflow(InvalidRequest):
-    def __init__(self, prompt_tokens: int, max_tokens: int, n_ctx: int) -> None:
+    def __init__(self, prompt_tokens: int, n_ctx: int, param: str) -> None:
         super().__init__(
-            f"this model's context holds {n_ctx} tokens, but the request asks for {prompt_tokens + max_tokens} "
-            f"({prompt_tokens} in the prompt + {max_tokens} for the completion); shorten the prompt or lower max_tokens",
-            param="max_tokens",
+            f"this model's context holds {n_ctx} tokens, but the prompt alone is {prompt_tokens}, which leaves no room for "
+            f"the completion; shorten the prompt",
+            param=param,
             code="context_length_exceeded",
         )
 

@@ -1,4 +1,10 @@
-"""From an OpenAI request body to a job: render, tokenize, check the limits, hash the chain."""
+"""From an OpenAI request body to a job: render, tokenize, check the limits, hash the chain.
+
+A ``max_tokens`` beyond what the prompt leaves of the context is clamped to what is left, as
+llama-server does (agents ask for 32,000 whatever the model): the answer ends with
+``finish_reason`` ``length`` when it fills the context. Only a prompt that fills the
+context alone is refused.
+"""
 
 from __future__ import annotations
 
@@ -143,8 +149,9 @@ class Preparer:
         score: bool = False,
     ) -> Prepared:
         n_ctx = self.settings.n_ctx
-        if len(tokens) + max_tokens > n_ctx or len(tokens) >= n_ctx:
-            raise ContextOverflow(len(tokens), max_tokens, n_ctx)
+        if len(tokens) >= n_ctx:
+            raise ContextOverflow(len(tokens), n_ctx, "messages" if chat else "prompt")
+        max_tokens = min(max_tokens, n_ctx - len(tokens))  # what is left of the context, as llama-server clamps it
         bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
         if any(k >= self.tokenizer.n_vocab for k in bias):
             raise InvalidRequest(f"logit_bias token ids must lie in [0, {self.tokenizer.n_vocab})", param="logit_bias")

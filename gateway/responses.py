@@ -101,7 +101,7 @@ def _message(text: str, finish: str, tools: Offered | None) -> tuple[dict[str, A
     content, calls = tools.parse(text)
     if not calls:
         return {"role": "assistant", "content": content}, finish
-    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "length" if finish == "length" else "tool_calls"
 
 
 def chat_body(
@@ -191,7 +191,12 @@ class StreamChunks:
             if stream is not None:
                 out += [self._chunk([{"index": i, "delta": d, "logprobs": None, "finish_reason": None}]) for d in stream.flush()]
             finishes.append(
-                {"index": i, "delta": {}, "logprobs": None, "finish_reason": "tool_calls" if stream is not None and stream.calls else f}
+                {
+                    "index": i,
+                    "delta": {},
+                    "logprobs": None,
+                    "finish_reason": "tool_calls" if stream is not None and stream.calls and f != "length" else f,
+                }
             )
         return [*out, self._chunk(finishes)]
 

@@ -1,11 +1,16 @@
-"""JSON Schema to a llama.cpp grammar (GBNF), for ``response_format`` and forced tool calls.
+"""JSON Schema to a llama.cpp grammar (GBNF), for ``response_format`` and tool calls.
 
 The conversion is llama-cpp-python's `SchemaConverter` (a port of llama.cpp's
 ``json_schema_to_grammar.py``). It ignores keywords it does not know, so its output would
-quietly fail to match such a schema; every keyword is checked here first, and a schema
-using one the grammar cannot enforce is refused, naming where it is. The grammar is then
-parsed by llama.cpp itself against the model's vocabulary, so a job never reaches a worker
-with a grammar that would fail there.
+quietly fail to match such a schema; every keyword is checked here first. Under
+``strict: true`` a schema using one the grammar cannot enforce is refused, naming where it
+is; otherwise the schema is a hint, loosened to what the grammar can enforce
+(`gateway.loosen`). The grammar is then parsed by llama.cpp itself against the model's
+vocabulary, so a job never reaches a worker with a grammar that would fail there.
+
+Every JSON string a grammar accepts is one strict JSON parsers accept: its characters
+exclude U+0000-U+001F (raw control characters, a newline among them, must be escaped in
+JSON), as llama.cpp's own converter has them (`Converter`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import llama_cpp
 from llama_cpp.llama_grammar import STRING_FORMAT_RULES, SchemaConverter
 
 from gateway.errors import InvalidRequest
+from gateway.loosen import ANNOTATIONS, MAX_REPEAT, SUPPORTED, TYPES, loosen
 
 MAX_SCHEMA_BYTES = 64 * 1024
 """Largest schema accepted, as compact JSON."""
@@ -24,20 +30,24 @@ MAX_DEPTH = 16
 """Deepest nesting of sub-schemas accepted."""
 MAX_GRAMMAR_BYTES = 512 * 1024
 """Largest grammar a schema may expand to (``maxLength`` and ``maxItems`` unroll)."""
-MAX_REPEAT = 1000
-"""Largest minLength / maxLength / minItems / maxItems (each is unrolled into rules)."""
-
-ANNOTATIONS = frozenset(
-    {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly", "writeOnly"}
-)
-SUPPORTED = frozenset(
-    {
-        "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
-        "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "pattern", "format", "minLength", "maxLength",
-    }
-)  # fmt: skip
-TYPES = frozenset({"string", "number", "integer", "boolean", "null", "object", "array"})
 FORMATS = frozenset({k.removesuffix("-string") for k in STRING_FORMAT_RULES if k.endswith("-string")} | {"uuid"})
+JSON_CHAR = r'[^"\\\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+"""A character of a JSON string: any but a quote, a backslash or a control character, or an escape."""
+PATTERN_DOT = r'[^"\\\x00-\x1F]'
+"""``.`` in a ``pattern``: any character that may stand unescaped in a JSON string."""
+
+
+class Converter(SchemaConverter):
+    """llama-cpp-python's converter with JSON strings that strict parsers accept (its ``char`` lets control characters in)."""
+
+    SAFE = {"char": JSON_CHAR, "dot": PATTERN_DOT}
+
+    def __init__(self) -> None:
+        super().__init__(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)  # type: ignore[no-untyped-call]
+
+    def _add_rule(self, name: str, rule: str) -> str:
+        name_out: str = super()._add_rule(name, self.SAFE.get(name, rule))  # type: ignore[no-untyped-call]
+        return name_out
 
 
 class SchemaError(InvalidRequest):
@@ -48,11 +58,15 @@ class SchemaError(InvalidRequest):
         self.where = where
 
 
-def check_schema(schema: Any, where: str = "schema") -> None:
-    """Refuse what the converter would ignore or mishandle, naming the first such place."""
+def check_schema(schema: Any, where: str = "schema", *, strict: bool = True) -> Any:
+    """The schema the grammar enforces: ``schema`` itself under ``strict`` (what the converter would ignore or mishandle
+    is refused, naming the first such place), else ``schema`` loosened to what it can enforce (`gateway.loosen`)."""
     if len(json.dumps(schema, separators=(",", ":"))) > MAX_SCHEMA_BYTES:
         raise SchemaError(where, f"the schema is larger than {MAX_SCHEMA_BYTES} bytes")
+    if not strict:
+        schema = loosen(schema, FORMATS, max_depth=MAX_DEPTH)
     _check(schema, where, 0)
+    return schema
 
 
 def _check(node: Any, where: str, depth: int) -> None:
@@ -132,7 +146,7 @@ def _children(node: dict[str, Any], where: str) -> list[tuple[str, Any]]:
 
 def schema_rules(schema: Any, name: str, converter: SchemaConverter | None = None, where: str = "schema") -> tuple[SchemaConverter, str]:
     """Add ``schema``'s rules to a converter under ``name``; returns the converter and the rule name."""
-    conv = converter or SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    conv = converter or Converter()
     try:
         resolved = conv.resolve_refs(schema if isinstance(schema, dict) else {}, "input")
         return conv, conv.visit(resolved, name)
@@ -140,9 +154,9 @@ def schema_rules(schema: Any, name: str, converter: SchemaConverter | None = Non
         raise SchemaError(where, f"cannot be turned into a grammar: {e or type(e).__name__}") from None
 
 
-def schema_grammar(schema: Any, where: str = "schema") -> str:
-    """The GBNF (root rule ``root``) for output matching ``schema``, found at ``where`` in the request."""
-    check_schema(schema, where)
+def schema_grammar(schema: Any, where: str = "schema", *, strict: bool = True) -> str:
+    """The GBNF (root rule ``root``) for output matching ``schema``, found at ``where`` in the request (loosened unless ``strict``)."""
+    schema = check_schema(schema, where, strict=strict)
     conv, _ = schema_rules(schema, "", where=where)
     grammar: str = conv.format_grammar()
     return grammar
@@ -171,7 +185,8 @@ def response_grammar(fmt: Any, vocab: Any) -> str | None:
         return None
     if fmt.type == "json_object":
         return json_object_grammar()
-    schema = fmt.json_schema.schema_
-    grammar = json_object_grammar() if schema is True or schema == {} else schema_grammar(schema, "response_format.json_schema.schema")
+    schema, strict = fmt.json_schema.schema_, fmt.json_schema.strict is True
+    where = "response_format.json_schema.schema"
+    grammar = json_object_grammar() if schema is True or schema == {} else schema_grammar(schema, where, strict=strict)
     verify_grammar(vocab, grammar, "response_format")
     return grammar

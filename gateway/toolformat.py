@@ -15,7 +15,8 @@ before its automatic parser: the Hermes format only when the template itself has
   would ramble in text still writes a call it was shown how to write. Calls and results of
   earlier turns are written in the same JSON, results as user turns (many templates know
   no other roles). The JSON is parsed when the answer is complete, so a streamed answer
-  comes in one piece at its end.
+  comes in one piece at its end; an answer cut short gives what it holds so far
+  (`gateway.cutanswer`), never the JSON around it.
 * ``hermes`` (``KVPOOL_TOOL_FORMAT=hermes``, ChatML templates only): a request that uses
   tools is rendered with kvpool's own ChatML template in the Hermes format
   (``gateway/templates/chatml-tools.jinja``, shipped in the package); one without keeps
@@ -35,14 +36,24 @@ from importlib.resources import files
 from typing import Any, Literal
 
 import jinja2
-from llama_cpp.llama_grammar import SchemaConverter
 
+from gateway.cutanswer import cut_answer
 from gateway.errors import InvalidRequest
 from gateway.schemas import ChatCompletionRequest, Message
 from gateway.settings import ToolFormatChoice
-from gateway.structured import verify_grammar
+from gateway.structured import Converter, verify_grammar
 from gateway.tokenizer import TemplateError, Tokenizer, compile_template
-from gateway.tools import ToolStream, call_rules, parse_call, supports_tools, template_messages, template_tools, tool_grammar, uses_tools
+from gateway.tools import (
+    ToolStream,
+    call_rules,
+    new_call_id,
+    parse_call,
+    supports_tools,
+    template_messages,
+    template_tools,
+    tool_grammar,
+    uses_tools,
+)
 
 HERMES_TEMPLATE = "chatml-tools.jinja"
 
@@ -92,7 +103,7 @@ class JsonToolStream(ToolStream):
         try:
             doc = json.loads(text)
         except (json.JSONDecodeError, RecursionError):
-            return self._content(text)  # cut short (max_tokens): what there is, as text
+            return self._cut(text)
         if not isinstance(doc, dict):
             return self._content(text)
         written = doc.get("tool_calls", [doc["tool_call"]] if "tool_call" in doc else None)
@@ -102,6 +113,15 @@ class JsonToolStream(ToolStream):
         if isinstance(doc.get("response"), str):
             return self._content(doc["response"])
         return self._content(text)
+
+    def _cut(self, text: str) -> list[dict[str, Any]]:
+        """An answer cut short (max_tokens): its text so far, or its calls so far (the last one's arguments cut), never the JSON around them."""
+        content, calls = cut_answer(text)
+        out = self._content(content)
+        for name, arguments in calls:
+            if name in self.names:
+                out += self._call_deltas({"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}})
+        return out
 
 
 class ToolFormat:
@@ -161,7 +181,7 @@ class ToolFormat:
                 "a JSON response_format cannot be added to it (one grammar per answer)",
                 param="response_format",
             )
-        conv = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+        conv = Converter()
         call = conv._add_rule("generic-call", " | ".join(call_rules(req, conv)))
         if parallel_calls(req):
             rules = [

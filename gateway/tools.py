@@ -23,7 +23,7 @@ from llama_cpp.llama_grammar import SchemaConverter
 
 from gateway.errors import InvalidRequest
 from gateway.schemas import ChatCompletionRequest, Message, NamedToolChoice
-from gateway.structured import SchemaError, check_schema, verify_grammar
+from gateway.structured import Converter, SchemaError, check_schema, verify_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -76,7 +76,8 @@ def call_rules(req: ChatCompletionRequest, conv: SchemaConverter, wrap: Any = No
     """One grammar rule per function the request allows to be called: ``{"name": ..., "arguments": {...}}``.
 
     ``wrap`` puts that object inside another (a format's envelope); every ``parameters``
-    schema is checked first, and one the grammar cannot enforce is a 400 naming its path.
+    schema is checked first: a hint loosened to what the grammar can enforce, or, for a
+    function with ``strict: true``, refused with a 400 naming the path of what it cannot.
     """
     named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
     calls = []
@@ -86,7 +87,7 @@ def call_rules(req: ChatCompletionRequest, conv: SchemaConverter, wrap: Any = No
             continue
         params = f.parameters or {"type": "object", "properties": {}}
         try:
-            check_schema(params, f"tools.{i}.function.parameters")
+            params = check_schema(params, f"tools.{i}.function.parameters", strict=f.strict is True)
             resolved = conv.resolve_refs(params, f"tool-{i}")
             call = {
                 "type": "object",
@@ -103,7 +104,7 @@ def tool_grammar(req: ChatCompletionRequest, vocab: Any) -> str | None:
     """For a required or named ``tool_choice``: the grammar of one call (or several) to the allowed functions."""
     if not req.forced_tools():
         return None
-    conv = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    conv = Converter()
     calls = call_rules(req, conv)
     block = conv._add_rule("tool-call-block", f'"{OPEN}\\n" ( {" | ".join(calls)} ) "\\n{CLOSE}"')
     conv._add_rule("root", f'{block} ( "\\n" {block} )*' if req.parallel_tool_calls else block)

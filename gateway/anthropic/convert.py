@@ -3,7 +3,9 @@
 The messages become OpenAI-style chat messages, which the chat template renders as for
 ``/v1/chat/completions`` (`gateway.prepare`):
 
-* ``system`` (a string or text blocks) and ``system`` messages: a system message;
+* ``system`` (a string or text blocks) and ``system`` messages: a system message; Claude
+  Code's billing header (a block, or a line, starting ``x-anthropic-billing-header:``) is
+  left out, so its sessions share their prefix;
 * text blocks: the message's text (several are joined by a newline);
 * ``tool_use`` blocks: the assistant message's ``tool_calls``; ``tool_result`` blocks: ``tool``
   messages, in their place among the user's text, each answering a ``tool_use`` of an
@@ -100,6 +102,8 @@ def _check(req: CountTokensRequest) -> None:
             raise InvalidRequest(
                 f"tools.{i}.type: server tools ({t.type!r}) are not supported; kvpool serves client tools (type 'custom')", param="tools"
             )
+        if t.input_schema is None:
+            raise InvalidRequest(f"tools.{i}.input_schema: Field required", param="tools")
     blocks = [b for m in req.messages if isinstance(m.content, list) for b in m.content]
     system = req.system if isinstance(req.system, list) else []
     marked = [x for x in [*(req.tools or []), *system, *blocks, req] if x.cache_control is not None]
@@ -109,16 +113,25 @@ def _check(req: CountTokensRequest) -> None:
         )
 
 
+BILLING_HEADER = "x-anthropic-billing-header:"
+"""What starts the system block (or line) Claude Code sends for Anthropic's billing: a version, an entry point and a hash
+that changes with the first prompt (or every request). It is no part of the prompt: kept, it would part every session's
+prefix from every other's at its first tokens."""
+
+
 def _system(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[Mark]]:
-    if req.system is None or req.system == "" or req.system == []:
-        return [], []
+    """The system message (without Claude Code's billing header, `BILLING_HEADER`) and the marks on its blocks."""
     if isinstance(req.system, str):
-        return [{"role": "system", "content": req.system}], []
+        text = "\n".join(line for line in req.system.split("\n") if not line.startswith(BILLING_HEADER))
+        return ([{"role": "system", "content": text}] if text else []), []
+    blocks = [b for b in req.system or [] if not b.text.startswith(BILLING_HEADER)]
+    if not blocks:
+        return [], []
     n_tools = len(req.tools or [])
-    texts = [b.text for b in req.system]
+    texts = [b.text for b in blocks]
     marks = [
         Mark([{"role": "system", "content": "\n".join(texts[: i + 1])}], n_tools, _ttl(b.cache_control))
-        for i, b in enumerate(req.system)
+        for i, b in enumerate(blocks)
         if b.cache_control is not None
     ]
     return [{"role": "system", "content": "\n".join(texts)}], marks
@@ -197,7 +210,11 @@ def chat_request(req: CountTokensRequest, messages: list[dict[str, Any]], n_tool
         "model": req.model,
         "messages": messages,
         "tools": [
-            {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.input_schema}} for t in tools
+            {
+                "type": "function",
+                "function": {"name": t.name, "description": t.description, "parameters": t.input_schema, "strict": t.strict},
+            }
+            for t in tools
         ]
         or None,
         "tool_choice": _tool_choice(req) if n_tools is None else ("none" if isinstance(req.tool_choice, ToolChoiceNone) else None),
@@ -218,6 +235,19 @@ def chat_request(req: CountTokensRequest, messages: list[dict[str, Any]], n_tool
     if isinstance(req, MessagesRequest):
         chat.stop = list(req.stop_sequences or [])  # Anthropic allows more stop sequences than OpenAI's four
     return chat
+
+
+RENAMED = ((".function.parameters", ".input_schema"), ("response_format.json_schema.schema", "output_config.format.schema"))
+"""The chat request's field paths as a Messages request names them."""
+
+
+def in_messages_terms(e: InvalidRequest) -> InvalidRequest:
+    """An error about the chat request, naming its fields as the Messages request does (``tools.3.input_schema...``)."""
+    message = e.message
+    for old, new in RENAMED:
+        message = message.replace(old, new)
+    param = "output_config" if e.param == "response_format" else e.param
+    return InvalidRequest(message, param=param, code=e.code) if message != e.message or param != e.param else e
 
 
 def _tool_choice(req: CountTokensRequest) -> Any:

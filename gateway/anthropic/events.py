@@ -4,7 +4,10 @@ A stream goes ``message_start``, ``ping``, then for each content block
 ``content_block_start``, its deltas (``text_delta``, or one ``input_json_delta`` holding a
 tool call's whole input) and ``content_block_stop``, then ``message_delta`` (stop reason,
 and the final usage: ``message_start`` cannot know yet what the worker reuses) and
-``message_stop``. Tool calls are found in the text as it streams (`gateway.tools`); text
+``message_stop``. ``message_start``'s usage counts no input: Anthropic's ``input_tokens`` is
+the part read from no cache, which only the worker knows, and agents add that field of
+``message_start`` to their totals unless ``message_delta`` replaces it with a positive
+count (a prompt read whole from cache has none). Tool calls are found in the text as it streams (`gateway.tools`); text
 that could open a call is held back until it is clearly not one.
 """
 
@@ -26,7 +29,10 @@ def message_id(job_id: str) -> str:
 
 def tool_use(call: dict[str, Any]) -> dict[str, Any]:
     """An OpenAI-style call as a ``tool_use`` block: an ``toolu_`` id, its arguments as the ``input`` object."""
-    args = json.loads(call["function"]["arguments"])
+    try:
+        args = json.loads(call["function"]["arguments"])
+    except (json.JSONDecodeError, RecursionError):
+        args = {}  # arguments an answer cut short left unfinished (its stop_reason says max_tokens)
     return {
         "type": "tool_use",
         "id": "toolu_" + call["id"].removeprefix("call_"),
@@ -98,7 +104,7 @@ class MessageEvents:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": len(self.job.prepared.spec.tokens), "output_tokens": 0},
+            "usage": {"input_tokens": 0, "output_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
         }
         return [sse({"type": "message_start", "message": message}), PING]
 
@@ -130,8 +136,10 @@ class MessageEvents:
                 block = tool_use({**call, "function": {**call["function"], "arguments": "{}"}})
                 out += self._open(block)
             else:
-                args = tool_use({"id": "", "function": {"name": "", "arguments": call["function"]["arguments"]}})["input"]
-                out.append(self._delta({"type": "input_json_delta", "partial_json": json.dumps(args, ensure_ascii=False)}))
+                written = call["function"]["arguments"]
+                args = tool_use({"id": "", "function": {"name": "", "arguments": written}})["input"]
+                partial = json.dumps(args, ensure_ascii=False) if args or written.strip() in ("{}", "") else written  # cut: as written
+                out.append(self._delta({"type": "input_json_delta", "partial_json": partial}))
         return out
 
     def _open(self, block: dict[str, Any]) -> list[bytes]:

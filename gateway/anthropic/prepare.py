@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from gateway.anthropic.convert import Converted, chat_request, convert
+from gateway.anthropic.convert import Converted, chat_request, convert, in_messages_terms
 from gateway.anthropic.schemas import CountTokensRequest, MessagesRequest
 from gateway.errors import InvalidRequest
 from gateway.prepare import Prepared, Preparer
@@ -48,7 +48,10 @@ def prepare_message(preparer: Preparer, req: MessagesRequest, tenant: Tenant) ->
             f"prompt is too long: {len(tokens)} tokens > {n_ctx - 1} maximum (this model's context holds {n_ctx})", param="messages"
         )
     chat.max_tokens = min(req.max_tokens, n_ctx - len(tokens))
-    prepared = preparer.chat(chat, tenant, prefill=conv.prefill)
+    try:
+        prepared = preparer.chat(chat, tenant, prefill=conv.prefill)
+    except InvalidRequest as e:
+        raise in_messages_terms(e) from None
     spec = prepared.spec.model_copy(update={"breakpoints": breakpoints(preparer, req, conv, tokens)})
     return MessageJob(replace(prepared, spec=spec), req.max_tokens, tuple(s for s in req.stop_sequences or [] if s))
 
@@ -99,11 +102,11 @@ def usage(result: JobResult, job: MessageJob) -> dict[str, object]:
 
 def stop_reason(result: JobResult, job: MessageJob, called: bool) -> tuple[str, str | None]:
     """Anthropic's ``stop_reason`` and ``stop_sequence``."""
-    if called:
-        return "tool_use", None
-    if result.finish_reason == "length":
+    if result.finish_reason == "length":  # a call the cut fell in is no call to run
         fits = job.prepared.spec.sampling.max_tokens
         return ("model_context_window_exceeded" if fits < job.asked_tokens else "max_tokens"), None
+    if called:
+        return "tool_use", None
     if result.stop_sequence is not None and result.stop_sequence in job.stop_sequences:
         return "stop_sequence", result.stop_sequence
     return "end_turn", None

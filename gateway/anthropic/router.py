@@ -26,6 +26,7 @@ from gateway.anthropic.prepare import MessageJob, count_tokens, prepare_message
 from gateway.anthropic.schemas import CountTokensRequest, MessagesRequest
 from gateway.errors import APIError, Overloaded, Unauthorized, WorkerFailed
 from gateway.idempotency import submit_once
+from gateway.middleware import noted
 from gateway.relay import relay
 from gateway.sse import EventStream
 from gateway.state import Gateway
@@ -45,7 +46,7 @@ def messages_router(gw: Gateway) -> APIRouter:
         auth = f"Bearer {key}" if key else request.headers.get("authorization")
         if auth is None and gw.tenants.api_keys:
             raise Unauthorized("missing API key: send 'x-api-key: <key>' (or 'Authorization: Bearer <key>')", code="invalid_api_key")
-        return gw.tenants.resolve(auth)
+        return noted(request, gw.tenants.resolve(auth))
 
     @router.post("/v1/messages", response_model=None)
     async def messages(body: MessagesRequest, request: Request) -> Response:

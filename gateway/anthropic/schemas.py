@@ -101,7 +101,7 @@ class InputMessage(_Strict):
 class Tool(_Strict):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = Field(None, description="Required of a client tool (`gateway.anthropic.convert` says so).")
     type: str | None = Field(None, description="'custom' (or none) for a client tool; server tools are not supported.")
     cache_control: CacheControl | None = None
     strict: bool | None = None

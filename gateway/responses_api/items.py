@@ -17,6 +17,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
+from gateway.errors import InvalidRequest
 from gateway.responses_api.schemas import FunctionCallItem, FunctionCallOutputItem, Item, MessageItem
 from gateway.toolformat import Offered
 
@@ -34,7 +35,7 @@ def public_item(item: Item) -> dict[str, Any]:
             part["annotations"] = []
         return {"id": item.id or new_id("msg"), "type": "message", "role": item.role, "content": [part], "status": "completed"}
     if isinstance(item, FunctionCallItem):
-        return {
+        call = {
             "id": item.id or new_id("fc"),
             "type": "function_call",
             "call_id": item.call_id,
@@ -42,14 +43,41 @@ def public_item(item: Item) -> dict[str, Any]:
             "arguments": item.arguments,
             "status": "completed",
         }
+        return {**call, "namespace": item.namespace} if item.namespace else call
     assert isinstance(item, FunctionCallOutputItem)
-    return {
+    out = {
         "id": item.id or new_id("fco"),
         "type": "function_call_output",
         "call_id": item.call_id,
         "output": item.text(),
         "status": "completed",
     }
+    return out if item.call_id else {**out, "name": item.name, "namespace": item.namespace}  # to be matched (`resolve_outputs`)
+
+
+def resolve_outputs(history: list[dict[str, Any]], new: list[dict[str, Any]]) -> None:
+    """Give each output of ``new`` sent without a ``call_id`` (as Codex sends some) the call it answers.
+
+    That is the latest call not yet answered to the function it names (in its namespace,
+    when it names one), else the latest call not yet answered; with none, it is a 400 naming it.
+    """
+    open_calls: list[dict[str, Any]] = []
+    for n, item in enumerate(history + new):
+        if item["type"] == "function_call":
+            open_calls.append(item)
+        elif item["type"] == "function_call_output" and item.get("call_id"):
+            open_calls = [c for c in open_calls if c["call_id"] != item["call_id"]]
+        elif item["type"] == "function_call_output":
+            name, namespace = item.pop("name", None), item.pop("namespace", None)
+            named = [c for c in open_calls if c["name"] == name and (namespace is None or c.get("namespace") == namespace)]
+            if not (named or open_calls):
+                raise InvalidRequest(
+                    f"input.{n - len(history)}.call_id: Field required (no function_call before this output is left to answer)",
+                    param="input",
+                )
+            call = (named or open_calls)[-1]
+            item["call_id"] = call["call_id"]
+            open_calls.remove(call)
 
 
 def _text(item: dict[str, Any]) -> str:
@@ -81,9 +109,11 @@ def output_text(output: list[dict[str, Any]]) -> str:
 class OutputBuilder:
     """The answer's output items, built as its text streams in, and the events (without sequence numbers) that announce them."""
 
-    def __init__(self, tools: Offered | None) -> None:
+    def __init__(self, tools: Offered | None, namespaces: dict[str, str] | None = None) -> None:
         self.items: list[dict[str, Any]] = []
         self._tools = tools.stream() if tools else None
+        self._namespaces = namespaces or {}
+        """The namespace tool of each function that came in one: its calls name it, as Codex expects."""
         self._open: dict[str, Any] | None = None
 
     def push(self, text: str) -> list[dict[str, Any]]:
@@ -159,6 +189,8 @@ class OutputBuilder:
             "name": call["function"]["name"],
             "arguments": "",
         }
+        if call["function"]["name"] in self._namespaces:
+            item["namespace"] = self._namespaces[call["function"]["name"]]
         self.items.append(item)
         return [{"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": dict(item)}]
 

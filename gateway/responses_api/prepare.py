@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
 from gateway.errors import InvalidRequest
 from gateway.prepare import Prepared, Preparer
-from gateway.responses_api.items import chat_messages, public_item
-from gateway.responses_api.schemas import ResponseCreate, TextFormat, chat_tool_choice, parse_items, parse_tools
+from gateway.responses_api.items import chat_messages, public_item, resolve_outputs
+from gateway.responses_api.schemas import ResponseCreate, TextFormat, Tools, chat_tool_choice, parse_items, parse_tools
 from gateway.responses_api.state import Stored
 from gateway.schemas import ChatCompletionRequest, Message
 from gateway.structured import response_grammar
@@ -61,6 +62,10 @@ class Turn:
     """The functions the answer may call, and how their calls are written."""
     continued: int
     """Leading prompt tokens taken as they were from the previous response (0: the prompt was rendered)."""
+    namespaces: dict[str, str] = field(default_factory=dict)
+    """The namespace tool of each function that came in one (its calls name it)."""
+    left_out: list[str] = field(default_factory=list)
+    """The built-in tools left out of the prompt (kvpool cannot run them), by type."""
 
 
 def prepare_turn(preparer: Preparer, req: ResponseCreate, tenant: Tenant, prev: Stored | None) -> Turn:
@@ -68,24 +73,25 @@ def prepare_turn(preparer: Preparer, req: ResponseCreate, tenant: Tenant, prev: 
     req.refused()
     new = [public_item(i) for i in parse_items(req.input)]
     history = prev.history if prev is not None else []
+    resolve_outputs(history, new)
     _check_calls(history, new)
-    chat = _chat_request(req, chat_messages(history + new))
+    tools = parse_tools(req.tools)
+    chat = _chat_request(req, chat_messages(history + new), tools)
     tok = preparer.tokenizer
-    tools = template_tools(chat)
-    key = render_key(preparer, req.instructions, tools)
+    key = render_key(preparer, req.instructions, template_tools(chat))
     tokens, continued = _tokens(preparer, chat, new, prev if prev is not None and prev.render_key == key else None)
     n_ctx = preparer.settings.n_ctx
-    budget = chat.token_budget(max(1, n_ctx - len(tokens)))  # no max_output_tokens: up to the end of the context, as OpenAI
-    if len(tokens) + budget > n_ctx:
+    if len(tokens) >= n_ctx:
         raise InvalidRequest(
-            f"the input is {len(tokens)} tokens (the conversation so far included) and max_output_tokens {budget}: together more "
-            f"than the model's context of {n_ctx} tokens; start a shorter conversation or lower max_output_tokens",
+            f"the input is {len(tokens)} tokens (the conversation so far included), which fills the model's context of {n_ctx} "
+            "tokens; start a shorter conversation",
             param="input",
             code="context_length_exceeded",
         )
-    prepared = preparer._job(chat, tokens, budget, tok.chat_stops, None, tenant, chat=True, grammar=_grammar(preparer, chat))
+    budget = min(chat.token_budget(n_ctx), n_ctx - len(tokens))  # up to the end of the context at most, as llama-server
+    prepared = preparer._job(chat, tokens, budget, tok.chat_stops, None, tenant, chat=True, grammar=_grammar(preparer, chat, tools.paths))
     offered = preparer.tool_format.offered(chat)
-    return Turn(Prepared(prepared.spec, chat=True, tools=offered), history + new, key, offered, continued)
+    return Turn(Prepared(prepared.spec, chat=True, tools=offered), history + new, key, offered, continued, tools.namespaces, tools.left_out)
 
 
 def render_key(preparer: Preparer, instructions: str | None, tools: list[dict[str, Any]] | None) -> str:
@@ -129,9 +135,9 @@ def _response_format(fmt: TextFormat | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
 
 
-def _chat_request(req: ResponseCreate, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+def _chat_request(req: ResponseCreate, messages: list[dict[str, Any]], offered: Tools) -> ChatCompletionRequest:
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-    tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in parse_tools(req.tools)]
+    tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in offered.functions]
     body = {
         "model": req.model,
         "messages": system + messages,
@@ -191,9 +197,11 @@ def _tokens(preparer: Preparer, chat: ChatCompletionRequest, new: list[dict[str,
         raise InvalidRequest(_renamed(e.message), param="input") from None
 
 
-def _grammar(preparer: Preparer, chat: ChatCompletionRequest) -> str | None:
+def _grammar(preparer: Preparer, chat: ChatCompletionRequest, paths: list[str]) -> str | None:
+    """The answer's grammar; an error names the field as the request does (a namespace's function: ``tools.4.tools.0...``)."""
     vocab = preparer.tokenizer.llm._model.vocab
     try:
         return preparer.tool_format.grammar(chat, vocab) or response_grammar(chat.response_format, vocab)
     except InvalidRequest as e:
-        raise InvalidRequest(_renamed(e.message), param=_PARAMS.get(e.param or "", e.param)) from None
+        message = re.sub(r"\btools\.(\d+)\.function\.", lambda m: f"{paths[int(m[1])]}." if int(m[1]) < len(paths) else m[0], e.message)
+        raise InvalidRequest(_renamed(message), param=_PARAMS.get(e.param or "", e.param)) from None

@@ -92,7 +92,7 @@ class Run:
         self.tenant = tenant
         self.id = new_id("resp")
         self.created = int(time.time())
-        self.output = OutputBuilder(turn.tools)
+        self.output = OutputBuilder(turn.tools, turn.namespaces)
 
     def body(self, status: str = "in_progress") -> dict[str, Any]:
         return response_object(self.id, self.created, self.req, self.gw.preparer.model_name, status, self.output.items)
@@ -101,7 +101,8 @@ class Run:
         """The answer's last events and its final body, stored (when asked) before either is sent."""
         status = "incomplete" if result.finish_reason == "length" else "completed"
         events = self.output.finish(status)
-        body = {**self.body(status), "usage": usage(result), "kvpool": {**kvpool_extra(result), "continued_tokens": self.turn.continued}}
+        extra = {**kvpool_extra(result), "continued_tokens": self.turn.continued, "tools_left_out": self.turn.left_out}
+        body = {**self.body(status), "usage": usage(result), "kvpool": extra}
         if self.req.store:
             spec = self.turn.prepared.spec
             stored = Stored(body, self.turn.items, spec.tokens + result.tokens, len(spec.tokens), self.turn.render_key)

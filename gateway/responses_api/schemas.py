@@ -8,6 +8,7 @@ at fault (``input.3.type: ...``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -118,12 +119,16 @@ class FunctionCallItem(_Item):
     call_id: str = Field(min_length=1, max_length=128)
     name: str = Field(pattern=FUNCTION_NAME)
     arguments: str
+    namespace: str | None = Field(None, max_length=128, description="The namespace tool the function belongs to (Codex's).")
 
 
 class FunctionCallOutputItem(_Item):
     type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1, max_length=128)
+    call_id: str | None = Field(None, min_length=1, max_length=128)
+    """None: Codex sends some outputs with the function's name instead; they answer that function's last call (`resolve_outputs`)."""
     output: str | list[ContentPart]
+    name: str | None = Field(None, max_length=128)
+    namespace: str | None = Field(None, max_length=128)
 
     def text(self) -> str:
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
@@ -185,19 +190,59 @@ class FunctionTool(BaseModel):
     strict: bool | None = None
 
 
-def parse_tools(raw: list[dict[str, Any]] | None) -> list[FunctionTool]:
-    tools = []
+BUILT_IN = frozenset(
+    {
+        "web_search", "web_search_preview", "web_search_preview_2025_03_11", "file_search", "code_interpreter", "computer_use_preview",
+        "image_generation", "local_shell", "mcp", "custom", "tool_search", "apply_patch", "shell",
+    }
+)  # fmt: skip
+"""Tool types the API runs itself (or that hold no JSON Schema): kvpool cannot run them, so they are left out of the prompt."""
+
+
+@dataclass
+class Tools:
+    """The function tools a request offers the model, whose namespace each belongs to, and the tools left out."""
+
+    functions: list[FunctionTool] = field(default_factory=list)
+    namespaces: dict[str, str] = field(default_factory=dict)
+    """Function name to its namespace tool's name, for the functions a ``namespace`` tool holds."""
+    left_out: list[str] = field(default_factory=list)
+    """The type of each built-in tool left out, in order."""
+    paths: list[str] = field(default_factory=list)
+    """Where the request holds each function (``tools.4.tools.0`` for one in a namespace), for error messages."""
+
+
+def parse_tools(raw: list[dict[str, Any]] | None) -> Tools:
+    """Function tools as they are, a ``namespace`` tool as the functions it holds; built-in tools left out (`BUILT_IN`)."""
+    tools = Tools()
     for i, doc in enumerate(raw or []):
-        if doc.get("type") != "function":
+        kind = doc.get("type")
+        if kind == "namespace" and isinstance(doc.get("tools"), list) and isinstance(doc.get("name"), str):
+            for j, inner in enumerate(doc["tools"]):
+                tools.functions.append(_function(inner, f"tools.{i}.tools.{j}"))
+                tools.namespaces[tools.functions[-1].name] = doc["name"]
+                tools.paths.append(f"tools.{i}.tools.{j}")
+        elif kind in BUILT_IN:
+            tools.left_out.append(str(kind))
+        elif kind == "function":
+            tools.functions.append(_function(doc, f"tools.{i}"))
+            tools.paths.append(f"tools.{i}")
+        else:
             raise InvalidRequest(
-                f"tools.{i}.type: {doc.get('type')!r} tools are not supported: kvpool runs no built-in tools; declare function tools",
+                f"tools.{i}.type: {kind!r} tools are not supported: kvpool serves function tools (and namespaces of them)",
                 param="tools",
             )
-        try:
-            tools.append(FunctionTool.model_validate(doc))
-        except ValidationError as e:
-            raise InvalidRequest(_where(f"tools.{i}", e), param="tools") from None
     return tools
+
+
+def _function(doc: Any, where: str) -> FunctionTool:
+    if not isinstance(doc, dict) or doc.get("type") != "function":
+        got = doc.get("type") if isinstance(doc, dict) else type(doc).__name__
+        raise InvalidRequest(f"{where}.type: a namespace holds function tools, got {got!r}", param="tools")
+    try:
+        return FunctionTool.model_validate(doc)
+    except ValidationError as e:
+        raise InvalidRequest(_where(where, e), param="tools") from None
 
 
 def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:

@@ -37,12 +37,15 @@ SAME_IN_A_BATCH = [
         {
             "model": MODEL,
             "messages": [{"role": "user", "content": "x"}],
-            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 0}}},
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 0}, "strict": True},
+            },
         },
     ),
     ("temperature 7", "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 7}),
     ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}),
-    ("prompt plus max_tokens over the context", "/v1/completions", {"model": MODEL, "prompt": "hi there", "max_tokens": 5000}),
+    ("a prompt that fills the context", "/v1/completions", {"model": MODEL, "prompt": "hi there " * 1500, "max_tokens": 5}),
 ]
 """Bad bodies and what refuses each: pydantic, the chat template, the schema check, the model check, the context check."""
 NO_SYSTEM_TEMPLATE = (
@@ -87,7 +90,7 @@ BAD = [
     ("token id out of range", {"model": MODEL, "prompt": [1, 999999]}, 400, ["999999"]),
     ("bad logit_bias", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, ["logit_bias"]),
     ("temperature 7", {"model": MODEL, "prompt": "hi", "temperature": 7}, 400, ["temperature"]),
-    ("prompt plus max_tokens over the context", {"model": MODEL, "prompt": "hi there", "max_tokens": 5000}, 400, ["2048", "5000"]),
+    ("a prompt that fills the context", {"model": MODEL, "prompt": "hi there " * 1500, "max_tokens": 5}, 400, ["2048", "prompt"]),
     ("body is a list", [1, 2], 400, []),
     ("lone surrogate in the prompt", b'{"model": "%s", "prompt": "hi \\ud800 there"}' % MODEL.encode(), 400, ["prompt", "surrogate"]),
     ("stream is text", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, ["stream"]),

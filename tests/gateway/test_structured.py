@@ -7,6 +7,7 @@ import json
 import jsonschema
 import pytest
 
+from gateway.structured import SchemaError, check_schema, schema_grammar
 from tests.gateway.test_errors import assert_openai_error
 from tests.helpers import SMOL, openai_client, prompt_text
 
@@ -101,14 +102,45 @@ UNSUPPORTED = [
 
 
 @pytest.mark.parametrize("schema,where", UNSUPPORTED, ids=[w for _, w in UNSUPPORTED])
-def test_a_schema_the_grammar_cannot_enforce_is_400_naming_the_part(smol_pool, schema, where: str) -> None:
+def test_a_strict_schema_the_grammar_cannot_enforce_is_400_naming_the_part(smol_pool, schema, where: str) -> None:
     body = {
         "model": SMOL,
         "messages": ask("hi"),
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}},
     }
     err = assert_openai_error(smol_pool.post("/v1/chat/completions", json=body), 400, where)
     assert err["param"] == "response_format"
+
+
+@pytest.mark.parametrize("schema,where", UNSUPPORTED, ids=[w for _, w in UNSUPPORTED])
+def test_without_strict_what_the_grammar_cannot_enforce_is_a_hint_left_out_of_it(schema, where: str) -> None:
+    loosened = check_schema(schema, "schema", strict=False)
+    assert schema_grammar(loosened, strict=True)  # what is left, the grammar enforces
+    node = loosened
+    for part in where.split(".")[1:]:
+        node = node.get(part) if isinstance(node, dict) else None
+    assert node is None, f"{where} is still in the loosened schema {loosened}"
+
+
+def test_without_strict_the_answer_is_served_and_keeps_what_the_grammar_enforces(smol_pool) -> None:
+    person = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "age": {"type": "integer", "minimum": 0, "multipleOf": 1},
+            "email": {"type": "string", "format": "email", "maxLength": 60},  # no rule for email: a string of at most 60
+            "tags": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "additionalProperties": {"type": "string"}},
+        },
+        "required": ["name", "age", "email"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": person}}
+    r = openai_client(smol_pool).chat.completions.create(
+        model=SMOL, messages=ask("Describe a person."), response_format=fmt, temperature=0, max_tokens=200
+    )
+    doc = json.loads(r.choices[0].message.content)
+    assert set(doc) <= set(person["properties"]) and {"name", "age", "email"} <= set(doc)
+    assert isinstance(doc["age"], int) and isinstance(doc["email"], str)
 
 
 def test_bad_response_formats_are_400(smol_pool) -> None:
@@ -128,3 +160,13 @@ def test_bad_response_formats_are_400(smol_pool) -> None:
     bad({"type": "json_schema", "json_schema": {"name": "x", "schema": deep}}, "deeper")
     wide = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 200} for i in range(400)}}
     bad({"type": "json_schema", "json_schema": {"name": "x", "schema": wide}}, "larger")
+
+
+def test_a_sub_schema_of_annotations_alone_is_any_value_without_strict() -> None:
+    """Claude Code's Workflow tool has ``"args": {"description": ...}``: a hint, not a schema the converter knows."""
+    schema = {"type": "object", "properties": {"args": {"description": "Any JSON value."}}, "required": ["args"]}
+    loosened = check_schema(schema, "schema", strict=False)
+    assert loosened["properties"]["args"]["description"] == "Any JSON value." and "type" in loosened["properties"]["args"]
+    assert schema_grammar(loosened)
+    with pytest.raises(SchemaError):
+        schema_grammar(schema, strict=True)  # strict: the converter knows no such schema, a 400

@@ -69,6 +69,27 @@ def test_a_generic_answer_is_parsed_once_complete() -> None:
     answer = JsonToolStream(("add",))
     answer.push('{"response": "Five."}')
     assert answer.flush() == [{"content": "Five."}] and answer.calls == []
-    cut = JsonToolStream(("add",))
-    cut.push('{"response": "Fi')
-    assert cut.flush() == [{"content": '{"response": "Fi'}]  # cut short by max_tokens: the text as it is
+
+
+CUT = [
+    ('{"response": "Five and', "Five and", []),
+    ('{"response": "one\\ntwo \\u00e', "one\ntwo", []),  # an escape the cut split is dropped (and the space before it held back)
+    ('{"tool_call": {"name": "add", "arguments": {"a": 1, "b"', "", [("add", '{"a": 1, "b"')]),
+    (
+        '{"tool_calls": [{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"a"',
+        "",
+        [("add", '{"a": 1}'), ("add", '{"a"')],
+    ),
+    ('{"tool_call": {"name": "ad', "", []),  # no name yet: no call
+    ('{"tool_call": {"name": "rm", "arguments": {', "", []),  # a function that was not offered
+    ('{"', "", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", CUT, ids=[c[0] for c in CUT])
+def test_a_generic_answer_cut_short_gives_its_text_or_its_calls_never_the_json_around_them(text: str, content: str, calls: list) -> None:
+    stream = JsonToolStream(("add",))
+    stream.push(text)
+    deltas = stream.flush()
+    assert "".join(d.get("content", "") for d in deltas) == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in stream.calls] == calls

@@ -31,6 +31,24 @@ TIME = {
     },
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+READ = {
+    "type": "function",
+    "function": {
+        "name": "read_file",
+        "description": "Read a file.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "url": {"type": "string", "format": "uri", "maxLength": 20000},
+                "offset": {"type": "integer", "minimum": 0},
+                "labels": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "additionalProperties": {"type": "string"}},
+            },
+            "required": ["url"],
+            "additionalProperties": False,
+        },
+    },
+}
+"""Keywords Claude Code's tools carry that no grammar rule enforces (``minimum``, ``propertyNames``, ``format: uri``, a long ``maxLength``)."""
 
 
 def args_of(call, tool: dict) -> dict:
@@ -39,6 +57,17 @@ def args_of(call, tool: dict) -> dict:
     args = json.loads(call.function.arguments)
     jsonschema.validate(args, tool["function"]["parameters"])
     return args
+
+
+def test_keywords_the_grammar_cannot_enforce_are_hints_and_the_call_is_served(smol_tools_pool) -> None:
+    client = openai_client(smol_tools_pool)
+    ask = [{"role": "user", "content": "Read the file at file:///etc/hosts."}]
+    r = client.chat.completions.create(model=SMOL, messages=ask, tools=[READ], tool_choice="required", temperature=0, max_tokens=150)
+    calls = r.choices[0].message.tool_calls
+    assert calls and r.choices[0].finish_reason == "tool_calls"
+    for call in calls:
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "read_file" and isinstance(args["url"], str) and set(args) <= {"url", "offset", "labels"}
 
 
 def test_a_required_tool_choice_gives_a_valid_call(smol_tools_pool) -> None:
@@ -171,12 +200,16 @@ BAD = [
     ("duplicate function names", {"tools": [WEATHER, WEATHER]}, ["unique"]),
     ("parallel_tool_calls is text", {"tools": [WEATHER], "parallel_tool_calls": "yes"}, ["parallel_tool_calls"]),
     (
-        "parameters the grammar cannot enforce",
+        "strict parameters the grammar cannot enforce",
         {
             "tools": [
                 {
                     "type": "function",
-                    "function": {"name": "f", "parameters": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}},
+                    "function": {
+                        "name": "f",
+                        "strict": True,
+                        "parameters": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}},
+                    },
                 }
             ],
             "tool_choice": "required",

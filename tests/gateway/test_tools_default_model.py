@@ -17,6 +17,7 @@ from gateway.schemas import ChatCompletionRequest
 from gateway.toolformat import JsonToolStream, ToolFormat, generic_messages
 from tests.helpers import SMOL, Pool, running_pool
 
+anthropic = pytest.importorskip("anthropic")
 langchain_openai = pytest.importorskip("langchain_openai")
 openai = pytest.importorskip("openai")
 
@@ -69,6 +70,41 @@ def test_a_reply_and_a_streamed_call_in_the_generic_format(default_pool: Pool) -
     assert deltas and deltas[0].function.name == "add"
     assert json.loads("".join(d.function.arguments or "" for d in deltas)).keys() == {"a", "b"}
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_an_answer_cut_by_max_tokens_is_its_text_or_an_unfinished_call_never_the_json_around_it(default_pool: Pool) -> None:
+    c = client(default_pool)
+    ask = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+    told = c.chat.completions.create(model=SMOL, messages=ask, tools=[CHAT_ADD], tool_choice="auto", temperature=0, max_tokens=8)
+    choice = told.choices[0]
+    assert choice.finish_reason == "length"
+    assert not (choice.message.content or "").lstrip().startswith("{"), choice.message.content
+
+    sum_it = [{"role": "user", "content": "What is 123456789+987654321?"}]  # 20 tokens cut the call in its arguments
+    cut = c.chat.completions.create(model=SMOL, messages=sum_it, tools=[CHAT_ADD], tool_choice="required", temperature=0, max_tokens=20)
+    choice = cut.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.content
+    [call] = choice.message.tool_calls
+    assert call.function.name == "add" and call.function.arguments.startswith("{")
+    chunks = list(
+        c.chat.completions.create(
+            model=SMOL, messages=sum_it, tools=[CHAT_ADD], tool_choice="required", temperature=0, max_tokens=20, stream=True
+        )
+    )
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
+    assert "".join(d.function.arguments or "" for ch in chunks if ch.choices for d in ch.choices[0].delta.tool_calls or []) == (
+        call.function.arguments
+    )
+
+    messages = anthropic.Anthropic(base_url=default_pool.gateway.url, api_key="unused", max_retries=0, timeout=300).messages
+    tool = {"name": "add", "description": ADD["description"], "input_schema": ADD["parameters"]}
+    m = messages.create(
+        model=SMOL, max_tokens=20, messages=sum_it, tools=[tool], tool_choice={"type": "any"}, extra_body={"temperature": 0}
+    )  # type: ignore[arg-type]
+    assert m.stop_reason == "max_tokens" and [b.type for b in m.content] == ["tool_use"]
+    told_m = messages.create(model=SMOL, max_tokens=8, messages=ask, tools=[tool], extra_body={"temperature": 0})  # type: ignore[arg-type]
+    assert told_m.stop_reason == "max_tokens"
+    assert not [b for b in told_m.content if b.type == "text" and b.text.lstrip().startswith("{")], told_m.content
 
 
 def test_parallel_tool_calls_asked_for_gives_a_tool_calls_array(default_pool: Pool) -> None:
