@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import poll
+from tests.helpers import MODEL, poll
 
 
 def _line_with(log: Path, needle: str) -> str:
@@ -26,7 +26,7 @@ def _line_with(log: Path, needle: str) -> str:
 
 def test_every_refused_request_is_logged_with_its_id_status_type_and_field(start_gateway, tmp_path: Path) -> None:
     g = start_gateway()
-    model = httpx.get(g.url + "/v1/models").json()["data"][0]["id"]
+    model = MODEL  # the pool's model (no worker is live, so /v1/models answers 503 here)
 
     r = httpx.post(g.url + "/v1/chat/completions", json={"model": model, "messages": []})
     assert r.status_code == 400

@@ -6,10 +6,8 @@ import time
 
 import redis
 
-from tests.helpers import PoolClient, openai_client
+from tests.helpers import MODEL, PoolClient, openai_client
 from worker.advert import adverts
-
-MODEL = "kvpool-tiny-s0"
 
 
 def _kill_the_busy_one(workers: dict, conn: redis.Redis) -> str:
