@@ -42,6 +42,7 @@ class S3Server(Process):
         super().__init__(log_path or self.data_dir / "weed.log")
         self.port = port or free_port()
         self.ports = {name: free_port() for name in ("master", "volume", "filer")}
+        self.grpc_ports = {name: free_port() for name in ("master", "volume", "filer", "s3")}
         self.volume_mb = volume_mb
         self.volumes = volumes
 
@@ -69,9 +70,9 @@ class S3Server(Process):
             f"-volume.port={self.ports['volume']}",
             f"-filer.port={self.ports['filer']}",
             f"-s3.port={self.port}",
-            # Each gRPC port is its HTTP port + 10000 unless named: named, so that several servers can run.
-            *(f"-{name}.port.grpc={port + 10000}" for name, port in self.ports.items()),
-            f"-s3.port.grpc={self.port + 10000}",
+            # Each gRPC port is its HTTP port + 10000 unless named, which may be taken (an outgoing connection's
+            # port): each is a free port of its own, so that several servers can run.
+            *(f"-{name}.port.grpc={port}" for name, port in self.grpc_ports.items()),
             "-s3.port.iceberg=0",  # its catalog servers, on fixed ports by default: off
             "-s3.port.lance=0",
         ]

@@ -42,6 +42,7 @@ def agents_pool(redis_server, s3_server, smollm2: Path, tmp_path_factory: pytest
         tmp_path_factory.mktemp("agents"),
         ["smol-1"],
         KVPOOL_N_CTX="32768",
+        KVPOOL_N_THREADS="2",  # both cores: the suite runs one test at a time, and this prompt is the suite's longest
         KVPOOL_REQUEST_TIMEOUT_S="1100",
         KVPOOL_JOB_TIMEOUT_S="1100",
     ) as pool:

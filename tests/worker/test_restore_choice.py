@@ -132,5 +132,5 @@ def test_the_worker_evaluates_when_its_store_is_slow_and_restores_when_it_is_not
     assert np.array_equal(restored.logits, cold.logits) and restored.tokens == cold.tokens
     assert choices(Choice.RESTORE) == before + 1
     said = [r for r in caplog.records if r.getMessage() == "restore.choice"]
-    assert [r.choice for r in said] == ["restore"] and said[0].restore_upto == len(prompt) - 2  # type: ignore[attr-defined]
+    assert said and said[-1].choice == "restore" and said[-1].restore_upto == len(prompt) - 2  # type: ignore[attr-defined]
     assert finder.restore_rate.bytes_per_s < 24_000.0 * 100_000, "the restore just made was measured"
