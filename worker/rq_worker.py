@@ -53,8 +53,7 @@ class KvpoolWorker(SimpleWorker):
 
     def request_stop(self, signum, frame):  # type: ignore[no-untyped-def]
         """A warm stop of every sequence's worker: flags, and their waits for a job woken (`worker.stopping`)."""
-        KvpoolWorker.live.add(self)
-        everyone = KvpoolWorker.stop_all()
+        everyone = KvpoolWorker.stop_all(also=self)
         if self.health is not None:
             self.health.stopping()
         if self.waiting:  # Redis is away: no job runs and nothing can be handed back, so the wait ends now
@@ -68,10 +67,13 @@ class KvpoolWorker(SimpleWorker):
                 raise StopRequested() from None
 
     @classmethod
-    def stop_all(cls) -> list[KvpoolWorker]:
-        """Flag every sequence's worker of this process to stop once its job is done (and the process as stopping)."""
+    def stop_all(cls, also: KvpoolWorker | None = None) -> list[KvpoolWorker]:
+        """Flag every sequence's worker of this process (and ``also``) to stop once its job is done, the process as stopping.
+
+        ``also``: the worker whose signal handler asks; after a restart of its RQ loop it is no longer in ``live``.
+        """
         jobs.STOPPING.set()
-        everyone = list(cls.live)
+        everyone = list(cls.live | ({also} if also is not None else set()))
         for w in everyone:
             w.stopping = w._stop_requested = True
         return everyone
