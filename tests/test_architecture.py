@@ -34,6 +34,10 @@ ENGINE_SIDE = {
     "worker.publisher",
     "worker.selfcheck",
     "worker.leases",
+    "worker.context",
+    "worker.loop",
+    "worker.rounds",
+    "worker.sequence",
 }
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60

@@ -29,8 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from worker.kvstate import Buffer
-from worker.llama_state import Llama, StateRestoreError, clear_seq, evaluate_prompt, read_seq_state, restore_seq_state
-from worker.sequence import seq_positions
+from worker.llama_state import Llama, StateRestoreError, clear_seq, evaluate_prompt, read_seq_state, restore_seq_state, seq_positions
 
 WINDOW_ALIGN = 32
 """A window model's checkpoint is taken only where its window starts at a multiple of this (see above)."""

@@ -44,11 +44,12 @@ from store.fingerprint import fingerprint_file
 from store.store import Store
 from worker import metrics
 from worker.checkpoints import checkpoint_stops, evaluate_saving
+from worker.context import Context
 from worker.decoding import DecodeMode, answer_held, choose_mode, decode_step
 from worker.errors import JobRejected
 from worker.kvstate import Buffer
 from worker.leases import EvalRate, Leases
-from worker.llama_state import CACHE_TYPE_NAMES, ContextCache, Llama, context_cache, evaluate_prompt, read_seq_state
+from worker.llama_state import CACHE_TYPE_NAMES, ContextCache, context_cache, evaluate_prompt, read_seq_state
 from worker.namespace import SHARED_KERNELS, cache_format, kernels_field, worker_kernels
 from worker.prefix import Held, Plan, PrefixFinder
 from worker.protocol import Breakpoint, JobResult, JobSpec, Timings, TokenEvent, Usage
@@ -59,7 +60,6 @@ from worker.selfcheck import startup_verdict
 from worker.sequence import SeqView
 from worker.settings import WorkerSettings
 from worker.settle import settle
-from worker.slots import open_context
 
 log = logging.getLogger("kvpool.worker")
 
@@ -74,9 +74,10 @@ class Engine:
         self.store = store
         self.model_path = model_path
         self.fingerprint = fingerprint_file(model_path)
-        llm, self.batcher = open_context(settings, model_path)
+        self.context = Context(settings, model_path)
+        llm = self.context.sequence(0)
         self.owner = True
-        """This engine opened the context and closes it (the other sequences' engines share it: `worker.slots`)."""
+        """This engine opened the context and closes it (the other sequences' engines share it: `for_sequence`)."""
         self.kv: ContextCache = context_cache(llm)
         self.held = Held(llm, self.kv)
         self.kernels = worker_kernels(settings)
@@ -93,7 +94,7 @@ class Engine:
         self._pending: tuple[Namespace, list[int], list[BlobKey], list[int]] | None = None
         """The last job's prompt, its keys and its answer, until the answer is published."""
         self._deferred: tuple[Namespace, list[int], list[BlobKey]] | None = None
-        verdict = startup_verdict(self.llm, self.kv, settings, store=store is not None, shared=self.batcher is not None)
+        verdict = startup_verdict(self.llm, self.kv, settings, store=store is not None, shared=settings.parallel > 1)
         self.restore_enabled, self.exact = verdict.restore, verdict.exact
         self.checkpoints = Checkpoints(store) if verdict.checkpoints and store is not None else None
         """Set when this model's state is stored whole at chunk boundaries (`worker.checkpoints`), not cut into cells."""
@@ -129,9 +130,9 @@ class Engine:
         )
 
     @property
-    def llm(self) -> Llama:
-        """This sequence's context (a `SeqView` of the shared one, or the worker's own `Llama`)."""
-        return self.held.llm
+    def llm(self) -> SeqView:
+        """This engine's sequence of the worker's context."""
+        return self.held.llm  # type: ignore[return-value]
 
     @property
     def publishes_cells(self) -> bool:
@@ -159,11 +160,10 @@ class Engine:
         self.held.forget()
 
     def for_sequence(self, seq: int, name: str) -> Engine:
-        """The engine of another sequence of this engine's shared context (`worker.slots`): model, store, publisher,
+        """The engine of another sequence of this engine's shared context (`worker.context`): model, store, publisher,
         leases and start-up verdicts shared, the sequence's cells and pending publishes its own."""
-        assert self.batcher is not None
         other = copy.copy(self)
-        other.held = Held(SeqView(self.batcher, seq, self.settings.parallel, self.settings.n_ctx), self.kv)
+        other.held = Held(self.context.sequence(seq), self.kv)
         other.name, other.owner, other._pending, other._deferred = name, False, None, None
         self.sequences.add(name)
         if self.leases is not None and self.store is not None:  # a lease names the sequence holding it
@@ -177,13 +177,12 @@ class Engine:
             if self.leases is not None:
                 self.leases.close()
             return
-        if self.batcher is not None:
-            self.batcher.close()
+        self.context.loop.close()  # every sequence's job still waiting on the loop fails
         if self.publisher is not None:
             self.publisher.close()
         if self.leases is not None:
             self.leases.close()
-        (self.batcher.llm if self.batcher is not None else self.llm).close()  # a sequence's view does not own the context
+        self.context.close()
 
     # -- a job -------------------------------------------------------------------
 
@@ -377,9 +376,8 @@ class Engine:
             self.publisher.submit(*deferred, state, recycle=True)
 
     def _done_generating(self) -> None:
-        """A sequence of a shared context: the batcher need not wait for its next step."""
-        if isinstance(self.llm, SeqView):
-            self.llm.done_generating()
+        """The loop need not wait for this sequence's next step."""
+        self.llm.done_generating()
 
     def _snapshot(self) -> Buffer | None:
         """A copy of the sequence state for publishing, into one of the publisher's buffers, or None: publishing never fails a job."""

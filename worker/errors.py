@@ -2,6 +2,7 @@
 
     WorkerError
     ├── JobRejected            a job that can never succeed here: not retried
+    ├── JobAborted             a job stopped between two steps of the engine loop (its client cancelled)
     ├── StateError             the sequence state, between kvpool and llama.cpp
     │   ├── StateFormatError   bytes that are not a state or payload kvpool can cut or join
     │   ├── StateReadError     llama.cpp could not write the sequence's state
@@ -56,3 +57,7 @@ class ModelChecksumError(ModelError):
 
 class WorkerNameTaken(WorkerError, RuntimeError):
     """Another live worker is registered under this name."""
+
+
+class JobAborted(WorkerError):
+    """The job stopped between two steps of the engine loop: its client cancelled or left (`worker.loop`)."""

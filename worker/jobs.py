@@ -21,7 +21,7 @@ from rq.job import Job
 
 from worker import metrics
 from worker.advert import adverts
-from worker.errors import JobRejected
+from worker.errors import JobAborted, JobRejected
 from worker.protocol import DoneEvent, ErrorEvent, JobSpec, StartEvent, TokenEvent, cancel_key, entry, stream_key, worker_queue
 from worker.redis_retry import ride_out
 
@@ -35,7 +35,10 @@ STREAM_BACKOFF_CAP_S = 0.5
 """The longest wait between two tries at writing events while Redis is away: the tokens wait for it once Redis is back."""
 
 _bound = threading.local()
-"""The engine of the RQ worker running in this thread (one per sequence, `worker.slots`)."""
+"""The engine of the RQ worker running in this thread (one per sequence, `worker.context`)."""
+
+WATCH_S = 0.1
+"""How often a job in its prompt asks Redis whether its client cancelled (`JobStream.watch`)."""
 
 STOPPING = threading.Event()
 """Set when the worker process is asked to stop: a job's stream no longer waits for an unreachable Redis (nothing it writes could be read)."""
@@ -81,6 +84,7 @@ class JobStream:
         self._closed = False
         self._failed: Exception | None = None
         self._cancelled = False
+        self._watched_at = float("-inf")
         self._outage_s = 10.0
 
     def send(self, event: BaseModel, outage_s: float = 10.0) -> bool:
@@ -104,6 +108,17 @@ class JobStream:
             with self._wake:
                 self._hold(line)
             return self._write(outage_s)
+
+    def watch(self) -> str | None:
+        """Whether the client cancelled (or left), asked by the engine loop between prompt pieces; Redis read at most every ``WATCH_S``."""
+        now = time.monotonic()
+        if not self._cancelled and now - self._watched_at >= WATCH_S:
+            self._watched_at = now
+            try:
+                self._cancelled = bool(self.conn.exists(self.cancel))
+            except redis.RedisError:
+                pass  # Redis away: the job goes on, and its next write rides the outage out
+        return "cancelled by the client" if self._cancelled else None
 
     def _hold(self, line: str) -> None:
         """Queue ``line`` as the writer's next entry; the caller holds ``_wake``."""
@@ -187,8 +202,12 @@ def _answer(job: Job, engine: Engine, spec: dict, stream: JobStream) -> dict:
         parsed = JobSpec.model_validate(spec)
         if job.connection.exists(cancel_key(job.id)):
             raise _Cancelled
-        result = engine.run(parsed, stream.send)
-    except _Cancelled:
+        with engine.llm.watching(stream.watch):
+            result = engine.run(parsed, stream.send)
+    except (_Cancelled, JobAborted) as e:
+        if isinstance(e, JobAborted):  # stopped mid-prompt: what the sequence holds is a part of it
+            engine.forget_context()
+            log.info("job.aborted", extra={"job": job.id, "reason": str(e)})
         metrics.JOBS.labels(**labels, outcome=metrics.JobOutcome.CANCELLED).inc()
         return {"finish_reason": "cancelled"}
     except (JobRejected, ValidationError) as e:

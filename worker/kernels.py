@@ -23,7 +23,7 @@ environment at large:
   kernels (`SWITCHES`), as llama.cpp reads them;
 * the *exactness mode* of the engine: how it batches what it evaluates
   (``decode=seq1``, `DECODE_SEQ1`: never a prompt batch that ends on one token). The
-  batched engine (`worker.batcher`) and every decode mode (`worker.decoding`: single,
+  batched engine (`worker.loop`) and every decode mode (`worker.decoding`: single,
   pair, settle) publish only cells that equal a cold evaluation's, each sequence in a
   KV stream of its own, so they add no mode: a worker of any ``KVPOOL_PARALLEL`` and
   any decode mode shares chunks with the others (tested in `tests/worker/test_batched.py`,

@@ -12,7 +12,6 @@ import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeAlias
 
 import llama_cpp
@@ -36,7 +35,7 @@ from worker.kvstate import (
     describe_state,
     state_cell_count,
 )
-from worker.sequence import SeqView, open_streams, seq_positions
+from worker.sequence import SeqView
 
 Llama: TypeAlias = llama_cpp.Llama | SeqView
 """A context of its own, or one sequence of a shared one (`worker.sequence`)."""
@@ -76,48 +75,16 @@ def cache_type_id(cache_type: str | int) -> int:
         raise ValueError(f"unsupported KV cache type {cache_type!r}; one of {sorted(CACHE_TYPES)}") from None
 
 
-def _is_quantized(ggml_type: int) -> bool:
+def is_quantized(ggml_type: int) -> bool:
     return GGML_BLOCKS[ggml_type][0] > 1
 
 
-def open_llama(
-    model_path: str | Path,
-    *,
-    flash_attn: bool,
-    type_k: str | int = "f16",
-    type_v: str | int | None = None,
-    n_ctx: int = 512,
-    n_batch: int = 512,
-    n_threads: int | None = None,
-    verbose: bool = False,
-    n_seq: int = 1,
-    **kwargs: Any,
-) -> llama_cpp.Llama:
-    """A ``Llama`` with the given KV layout. ``type_v`` defaults to ``type_k``.
-
-    llama-cpp-python 0.3.36 maps ``flash_attn`` to ``flash_attn_type`` ENABLED/DISABLED
-    (never AUTO), so the V layout is fixed by this flag: off means V is stored transposed.
-    With ``n_seq`` > 1 the context holds that many sequences of ``n_ctx`` cells each, each
-    in a KV stream of its own (`worker.batcher`).
-    """
-    k = cache_type_id(type_k)
-    v = k if type_v is None else cache_type_id(type_v)
-    if _is_quantized(v) and not flash_attn:
-        raise ValueError("a quantized V cache requires flash attention")
-    llm = llama_cpp.Llama(
-        model_path=str(model_path),
-        n_ctx=n_ctx if n_seq == 1 else 64,
-        n_batch=n_batch,
-        n_threads=n_threads,
-        flash_attn=flash_attn,
-        type_k=k,
-        type_v=v,
-        verbose=verbose,
-        **kwargs,
-    )
-    if n_seq > 1:
-        open_streams(llm, n_seq, n_ctx, n_batch)
-    return llm
+def seq_positions(llm: Llama, seq_id: int = 0) -> tuple[int, int]:
+    """The first and last position a sequence's cells hold (-1, -1 when none); a view's read on its loop."""
+    if isinstance(llm, SeqView):
+        return llm.positions()
+    mem = llama_cpp.llama_get_memory(llm.ctx)
+    return int(llama_cpp.llama_memory_seq_pos_min(mem, seq_id)), int(llama_cpp.llama_memory_seq_pos_max(mem, seq_id))
 
 
 @dataclass(frozen=True)
@@ -200,8 +167,8 @@ def context_cache(llm: Llama) -> ContextCache:
         n_layer=llama_cpp.llama_model_n_layer(model),
         n_embd_k_gqa=n_head_kv * head_k,
         n_embd_v_gqa=n_head_kv * head_v,
-        attn_rot_k=not rot_disabled and type_k in GGML_BLOCKS and _is_quantized(type_k) and head_k % 64 == 0,
-        attn_rot_v=not rot_disabled and type_v in GGML_BLOCKS and _is_quantized(type_v) and head_v % 64 == 0,
+        attn_rot_k=not rot_disabled and type_k in GGML_BLOCKS and is_quantized(type_k) and head_k % 64 == 0,
+        attn_rot_v=not rot_disabled and type_v in GGML_BLOCKS and is_quantized(type_v) and head_v % 64 == 0,
         cuttable=reason is None,
         reason=reason,
         prefix_reuse=not (recurrent or hybrid),
@@ -216,7 +183,7 @@ def read_seq_state(llm: Llama, seq_id: int = 0, *, into: Callable[[int], bytearr
     ``into(size)``: a buffer of at least ``size`` bytes to read into (`Publisher.buffer`); the result is then a view.
     """
     if isinstance(llm, SeqView):
-        return llm.read_state(_read_state)
+        return llm.read_state(_read_state, into)  # type: ignore[no-any-return]
     return _read_state(llm.ctx, seq_id, into)  # type: ignore[no-any-return]
 
 
@@ -236,9 +203,7 @@ def _read_state(ctx: Any, seq_id: int, into: Callable[[int], bytearray] | None =
 def clear_seq(llm: Llama, seq_id: int = 0) -> None:
     """Remove every cell of the sequence; for sequence 0 (or a view's own) also reset the wrapper's token record."""
     if isinstance(llm, SeqView):
-        with llm.locked():
-            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.batcher.llm.ctx), llm.seq, -1, -1)
-        llm.reset()
+        llm.clear()
         return
     mem = llama_cpp.llama_get_memory(llm.ctx)
     if mem is not None:

@@ -36,10 +36,9 @@ from worker.checkpoints import restore_checkpoint
 from worker.kvchunks import cut_state, head_cells, join_state
 from worker.kvstate import StateFormatError
 from worker.leases import Claim, EvalRate, LeaseOutcome, Leases, leased_by_others
-from worker.llama_state import ContextCache, Llama, StateReadError, StateRestoreError, read_seq_state, restore_seq_state
+from worker.llama_state import ContextCache, Llama, StateReadError, StateRestoreError, read_seq_state, restore_seq_state, seq_positions
 from worker.protocol import StoreStatus
 from worker.restore_choice import Choice, Option, RestoreRate, choose
-from worker.sequence import seq_positions
 
 log = logging.getLogger("kvpool.worker")
 
@@ -128,7 +127,7 @@ class PrefixFinder:
     restore_enabled: bool
     name: str
     siblings: Collection[str] = frozenset()
-    """The names of the sequences that share this one's context and batcher (this one's among them)."""
+    """The names of the sequences that share this one's context and engine loop (this one's among them)."""
     restore_rate: RestoreRate = field(default_factory=RestoreRate)
 
     @property
@@ -198,7 +197,7 @@ class PrefixFinder:
         they expired), or after as long as evaluating those tokens here would take. Then
         the prefix is found again, and what is still missing is leased and evaluated here.
         A holder that is another sequence of this context is waited for until it releases
-        (`SIBLING_WAIT_S` at most): evaluating the same tokens here would share its batcher
+        (`SIBLING_WAIT_S` at most): evaluating the same tokens here would share its engine loop
         and cores, so it could only finish later and slow the holder down.
         """
         if self.leases is None or not self.restore_enabled or self.checkpoints is not None:

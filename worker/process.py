@@ -74,7 +74,7 @@ def open_store(settings: WorkerSettings) -> Store | None:
 def _stop_while_starting(signum, frame) -> None:  # type: ignore[no-untyped-def]
     """SIGTERM or SIGINT before the main sequence's RQ worker takes signals (`KvpoolWorker.bootstrap`).
 
-    The stop is noted, not raised: the batcher's thread may be running the start-up checks in
+    The stop is noted, not raised: the engine loop's thread may be running the start-up checks in
     the context, which must be closed, not freed under it. A worker still loading stops once
     its engines are built, having taken no job and registered nothing (`run_worker`); one
     waiting for Redis stops at once (`_wait_for_redis`); a sequence already started stops as
@@ -109,8 +109,7 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
         log.info("worker.stopped", extra={"phase": "starting", "redis": "unreachable"})
         return
     supervisor = Supervisor(on_death=lambda thread: _stop_for_good(health, thread))
-    if engines[0].batcher is not None:
-        engines[0].batcher.on_death = supervisor.died
+    engines[0].context.loop.on_death = supervisor.died
     others = [
         supervisor.thread(partial(_serve, settings, w, e, None, burst), f"kvpool-{w.name}")
         for w, e in zip(workers[1:], engines[1:], strict=True)

@@ -1,6 +1,6 @@
 """One sequence's RQ worker: the model's engine, its own queue before the shared one, its heartbeat and advert.
 
-A worker process runs one per sequence of its context (`worker.process`, `worker.slots`).
+A worker process runs one per sequence of its context (`worker.process`, `worker.context`).
 It does not fork per job (`rq.SimpleWorker`): the model stays loaded. While a job runs, a
 thread keeps the job's heartbeat short-lived, so that when the worker dies (SIGKILL) the
 job is seen as abandoned within seconds and retried by another worker. How it stops is
@@ -34,7 +34,7 @@ log = logging.getLogger("kvpool.worker")
 
 class KvpoolWorker(SimpleWorker):
     live: set[KvpoolWorker] = set()
-    """This process's RQ workers, one per sequence (`worker.slots`): a stop request reaches all of them."""
+    """This process's RQ workers, one per sequence (`worker.context`): a stop request reaches all of them."""
     queue_class = StopAwareQueue
     heartbeat_s: float = 2.0
     engine: Engine | None = None

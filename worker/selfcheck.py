@@ -87,7 +87,7 @@ class Verdict:
 def startup_verdict(llm: Llama, kv: ContextCache, settings: WorkerSettings, *, store: bool, shared: bool) -> Verdict:
     """Run the start-up check that applies to this memory (cells or checkpoints) and log its outcome.
 
-    ``shared``: the context holds several sequences (`worker.slots`); checkpoints then stay off.
+    ``shared``: the context holds several sequences (`worker.context`); checkpoints then stay off.
     """
     if kv.cuttable:
         if not settings.self_check:

@@ -2,12 +2,13 @@
 
 `SeqView` offers the part of ``llama_cpp.Llama`` that the engine uses (``eval``,
 ``n_tokens``, ``input_ids``, sampling, the tokenizer) for sequence ``seq`` of a context
-opened with ``n_seq_max`` streams; its decodes go through the `worker.batcher.Batcher`,
-its state reads and writes take the batcher's lock. `worker.llama_state` asks
-`is_view` and reads and restores a view's state through `read_state` and
-`restore_state`, which convert llama.cpp's multi-stream sequence state to the
-single-stream blob every other worker writes (and back): a chunk is the same bytes
-whatever ``KVPOOL_PARALLEL`` its publisher ran with.
+opened with ``n_seq_max`` streams; every decode and every other call
+into the context is work handed to the `worker.loop.EngineLoop` that owns it, and the
+view waits for the result: a job's thread never touches the context. `worker.llama_state`
+reads and restores a view's state through `read_state` and `write_state`, which convert
+llama.cpp's multi-stream sequence state to the single-stream blob every other worker
+writes (and back): a chunk is the same bytes whatever ``KVPOOL_PARALLEL`` its publisher
+ran with.
 
 The multi-stream blob of sequence s (``llama_kv_cache::state_write``) is the
 single-stream one with ``n_stream`` = P and an empty ``u32 0`` cell count for each
@@ -20,38 +21,39 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import llama_cpp
-import llama_cpp._internals as llama_internals
 import numpy as np
 
-from worker.batcher import Batcher, token_data
 from worker.errors import StateReadError
 from worker.kvstate import as_sequence_zero
+from worker.loop import EngineLoop, Watch, token_data
 
 _HEAD = struct.Struct("<IiI")  # magic, seq_id, n_stream
 _EMPTY = struct.pack("<I", 0)
 
 
 class SeqView:
-    """Sequence ``seq`` of ``batcher``'s context, with ``n_ctx`` cells of its own."""
+    """Sequence ``seq`` of the context ``loop`` owns, with ``n_ctx`` cells of its own."""
 
-    def __init__(self, batcher: Batcher, seq: int, n_streams: int, n_ctx: int) -> None:
-        self.batcher = batcher
+    def __init__(self, loop: EngineLoop, seq: int, n_streams: int, n_ctx: int) -> None:
+        self.loop = loop
         self.seq = seq
         self.n_streams = n_streams
-        self._llm = batcher.llm
+        self._llm = loop.llm
+        self.watch: Watch | None = None
+        """Asked between prompt pieces whether the job should stop (`worker.loop`); set by the engine for a job."""
         self._n_ctx = n_ctx
         self.n_tokens = 0
         self.input_ids = np.zeros(n_ctx, dtype=np.intc)
-        self.logits = np.zeros(batcher.n_vocab, dtype=np.float32)
+        self.logits = np.zeros(loop.n_vocab, dtype=np.float32)
         self._sampler: Any = None
         self._seed = self._llm._seed
         self._requires_eval = True
-        self._cand, self._cand_view = token_data(batcher.n_vocab)
-        self._ids = np.arange(batcher.n_vocab, dtype=np.intc)
+        self._cand, self._cand_view = token_data(loop.n_vocab)
+        self._ids = np.arange(loop.n_vocab, dtype=np.intc)
 
     # -- what the engine reads of a Llama --------------------------------------------
 
@@ -77,7 +79,7 @@ class SeqView:
 
     @property
     def _n_vocab(self) -> int:
-        return self.batcher.n_vocab
+        return self.loop.n_vocab
 
     @property
     def last_n_tokens_size(self) -> int:
@@ -88,7 +90,7 @@ class SeqView:
         return self.input_ids[: self.n_tokens]
 
     def n_vocab(self) -> int:
-        return self.batcher.n_vocab
+        return self.loop.n_vocab
 
     def n_ctx(self) -> int:
         return self._n_ctx
@@ -116,8 +118,7 @@ class SeqView:
         tokens = list(tokens)
         if self.n_tokens + len(tokens) > self._n_ctx:
             raise RuntimeError(f"{self.n_tokens + len(tokens)} tokens do not fit the sequence's {self._n_ctx} cells")
-        self._remove_from(self.n_tokens)
-        self.logits = self.batcher.decode(self.seq, tokens, self.n_tokens)
+        self.logits = self.loop.decode(self.seq, tokens, self.n_tokens, watch=self.watch)
         self.input_ids[self.n_tokens : self.n_tokens + len(tokens)] = tokens
         self.n_tokens += len(tokens)
         self._requires_eval = False
@@ -125,25 +126,37 @@ class SeqView:
     def decode_rows(self, tokens: Sequence[int]) -> np.ndarray:
         """Like `eval`, returning the logits of every token (for scoring a prompt)."""
         tokens = list(tokens)
-        self._remove_from(self.n_tokens)
-        rows = self.batcher.decode(self.seq, tokens, self.n_tokens, rows=True)
+        rows = self.loop.decode(self.seq, tokens, self.n_tokens, rows=True, watch=self.watch)
         self.logits = rows[-1].copy()
         self.input_ids[self.n_tokens : self.n_tokens + len(tokens)] = tokens
         self.n_tokens += len(tokens)
         return rows
 
+    @contextlib.contextmanager
+    def watching(self, watch: Watch | None) -> Iterator[None]:
+        """While a job runs: its decodes ask ``watch`` between prompt pieces whether to stop (`worker.loop`)."""
+        self.watch = watch
+        try:
+            yield
+        finally:
+            self.watch = None
+
     def done_generating(self) -> None:
-        self.batcher.idle(self.seq)
+        self.loop.idle(self.seq)
 
     def positions(self) -> tuple[int, int]:
-        """The first and last position of this sequence's cells (-1, -1 when none), read under the batcher's lock."""
-        with self.batcher.lock:
-            mem = llama_cpp.llama_get_memory(self._llm.ctx)
+        """The first and last position of this sequence's cells (-1, -1 when none)."""
+
+        def read(llm: llama_cpp.Llama) -> tuple[int, int]:
+            mem = llama_cpp.llama_get_memory(llm.ctx)
             return int(llama_cpp.llama_memory_seq_pos_min(mem, self.seq)), int(llama_cpp.llama_memory_seq_pos_max(mem, self.seq))
 
-    def _remove_from(self, pos: int) -> None:
-        with self.batcher.lock:
-            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._llm.ctx), self.seq, pos, -1)
+        return self.loop.run(self.seq, read)
+
+    def clear(self) -> None:
+        """Remove every cell of the sequence, and what the view records of them."""
+        self.loop.run(self.seq, lambda llm: llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.ctx), self.seq, -1, -1))
+        self.reset()
 
     # -- sampling (llama-cpp-python's chain, applied to this sequence's logits) --------
 
@@ -169,32 +182,17 @@ class SeqView:
 
     # -- state, in the single-stream format ------------------------------------------
 
-    def read_state(self, read: Any) -> bytearray:
-        """``read(ctx, seq)`` under the lock, converted to the single-stream blob."""
-        with self.batcher.lock:
-            blob = read(self._llm.ctx, self.seq)
+    def read_state(self, read: Any, into: Any = None) -> Any:
+        """``read(ctx, seq, into)`` on the loop, as the single-stream blob (``into`` is used only when there is one stream)."""
+        if self.n_streams == 1:
+            return self.loop.run(self.seq, lambda llm: read(llm.ctx, self.seq, into))
+        blob = self.loop.run(self.seq, lambda llm: read(llm.ctx, self.seq, None))
         return single_stream(blob, self.seq, self.n_streams)
 
     def write_state(self, write: Any, state: bytes | bytearray | memoryview) -> None:
-        """``write(ctx, blob, seq)`` under the lock, with the single-stream ``state`` converted for this context."""
-        blob = multi_stream(state, self.seq, self.n_streams)
-        with self.batcher.lock:
-            write(self._llm.ctx, blob, self.seq)
-
-    def locked(self) -> Any:
-        return self.batcher.lock
-
-
-def open_streams(llm: llama_cpp.Llama, n_seq: int, n_ctx: int, n_batch: int) -> None:
-    """Replace the context ``Llama`` opened by one of ``n_seq`` streams of ``n_ctx`` cells (llama-cpp-python has no parameter for it)."""
-    params = llm.context_params
-    params.n_seq_max, params.kv_unified = n_seq, False
-    params.n_ctx, params.n_batch, params.n_ubatch = n_ctx * n_seq, n_batch, n_batch
-    llm._ctx.close()
-    llm._ctx = llm._stack.enter_context(
-        contextlib.closing(llama_internals.LlamaContext(model=llm._model, params=params, verbose=llm.verbose))
-    )
-    llm.n_batch = n_batch
+        """``write(ctx, blob, seq)`` on the loop, with the single-stream ``state`` converted for this context."""
+        blob = state if self.n_streams == 1 else multi_stream(state, self.seq, self.n_streams)
+        self.loop.run(self.seq, lambda llm: write(llm.ctx, blob, self.seq))
 
 
 def single_stream(blob: bytes | bytearray, seq: int, n_streams: int) -> bytearray:
@@ -217,11 +215,3 @@ def multi_stream(state: bytes | bytearray | memoryview, seq: int, n_streams: int
     if n != 1:
         raise ValueError(f"expected a single-stream state, got {n} streams")
     return bytearray(_HEAD.pack(magic, seq_id, n_streams)) + bytes(state[_HEAD.size :]) + _EMPTY * (n_streams - 1)
-
-
-def seq_positions(llm: llama_cpp.Llama | SeqView, seq_id: int = 0) -> tuple[int, int]:
-    """The first and last position a sequence's cells hold (-1, -1 when none); a view's under its context's lock."""
-    if isinstance(llm, SeqView):
-        return llm.positions()
-    mem = llama_cpp.llama_get_memory(llm.ctx)
-    return int(llama_cpp.llama_memory_seq_pos_min(mem, seq_id)), int(llama_cpp.llama_memory_seq_pos_max(mem, seq_id))

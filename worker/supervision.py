@@ -1,8 +1,8 @@
 """A worker process's threads are supervised: one that dies stops the whole process, which exits non-zero.
 
 The threads that matter are each sequence's RQ worker (the first runs in the main thread,
-the others in threads of their own, `worker.process`) and the batcher's, the only one that
-decodes (`worker.batcher`). Were one to die and the others go on, the process would look
+the others in threads of their own, `worker.process`) and the engine loop's, the only one that
+touches the context (`worker.loop`). Were one to die and the others go on, the process would look
 alive and ready while every job routed to the dead sequence waited forever, or every
 decode hung. So a death is never silent:
 

@@ -30,10 +30,11 @@ from gateway.pool.s3server import S3Server
 from store.store import Store
 from tests.helpers import PoolClient, cold_generate, cold_greedy, prompt_text, s3_settings
 from worker.client import events
+from worker.context import open_llama
 from worker.decoding import DecodeMode
 from worker.engine import Engine
 from worker.kvchunks import cut_cells
-from worker.llama_state import evaluate_prompt, last_logits, open_llama, read_seq_state
+from worker.llama_state import evaluate_prompt, last_logits, read_seq_state
 from worker.protocol import DoneEvent, SamplingParams, StartEvent, TokenEvent, job_spec
 from worker.settings import WorkerSettings
 
@@ -263,8 +264,7 @@ def test_closing_the_engines_of_a_shared_context_frees_it(tiny_model: Path) -> N
     settings = WorkerSettings(chunk_size=CHUNK, n_ctx=256, n_threads=1, parallel=2)
     engine = Engine(settings, tiny_model, store=None, name="c.0")
     other = engine.for_sequence(1, "c.1")
-    assert engine.batcher is not None
-    shared = engine.batcher.llm
+    shared = engine.context.llm
     other.close()
     engine.close()
     assert shared._ctx.ctx is None, "the llama.cpp context of the sequences is freed"

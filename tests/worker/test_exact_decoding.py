@@ -22,10 +22,11 @@ import pytest
 from store import chain
 from store.chain import prefix_chain
 from tests.helpers import prompt_text
+from worker.context import open_llama
 from worker.decoding import DecodeMode, choose_mode, decoded_logits
 from worker.engine import Engine
 from worker.kvchunks import cut_cells
-from worker.llama_state import evaluate_all_logits, evaluate_prompt, last_logits, open_llama, read_seq_state
+from worker.llama_state import evaluate_all_logits, evaluate_prompt, last_logits, read_seq_state
 from worker.protocol import SamplingParams, TokenEvent, job_spec
 from worker.settings import WorkerSettings
 

@@ -290,7 +290,7 @@ TOKENS = [1] + np.random.default_rng(7).integers(3, 2048, 199).tolist()
 @pytest.fixture(scope="module")
 def native_blobs(tiny_model: Path) -> dict[tuple[str, bool], dict[int, bytes]]:
     """Native blobs of several prefix lengths, per (cache type, flash attention)."""
-    from worker.llama_state import open_llama
+    from worker.context import open_llama
 
     blobs: dict[tuple[str, bool], dict[int, bytes]] = {}
     for cache, fa in [("f16", False), ("f16", True), ("q8_0", True)]:

@@ -169,7 +169,7 @@ def test_sigterm_stops_an_idle_worker_of_four_sequences_within_10_s(start_worker
         log = w.log()
         assert rc == 0, log[-2000:]
         assert all(f"Worker {n}: unsubscribing from channel" in log for n in w.names), log[-2000:]  # RQ's teardown, each
-        assert "batcher.totals" in log, "the engines closed: the context's batcher logged its totals"
+        assert "loop.totals" in log, "the engines closed: the context's engine loop logged its totals"
         assert not {x.name for x in Worker.all(connection=w.conn)} & set(w.names), "RQ registrations left behind"
 
 

@@ -4,7 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from worker.llama_state import context_cache, open_llama
+from worker.context import open_llama
+from worker.llama_state import context_cache
 from worker.selfcheck import check_restore
 
 

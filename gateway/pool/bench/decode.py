@@ -1,10 +1,10 @@
 """``kvpool bench-decode``: decode tokens/s of one worker context at 1, 4, 16 ... sequences, and whether it stays exact.
 
-For each sequence count P the model is loaded as a worker loads it (`worker.slots.open_context`,
+For each sequence count P the model is loaded as a worker loads it (`worker.context.Context`,
 ``KVPOOL_PARALLEL`` = P, ``n_gpu_layers`` as given), the start-up checks run on it (restore
 and decode mode), and P threads, one per sequence, each evaluate a prompt of their own
-and decode ``tokens`` greedy tokens in the mode the check chose, through the batcher, as
-P jobs would (with P = 1, on the thread the checks ran on). Each count runs in a process of
+and decode ``tokens`` greedy tokens in the mode the check chose, through the engine loop, as
+P jobs would. Each count runs in a process of
 its own (`isolated`). Reported: tokens/s over all sequences, and how many sequences' answers are
 the same tokens as the same prompt decoded alone (P = 1): the promise that an answer does
 not depend on what ran beside it. ``deploy/gpu-check.sh`` runs it on a CUDA build.
@@ -45,19 +45,19 @@ def _answer(view: Any, prompt: list[int], n: int, mode: Any) -> list[int]:
 
 def measure(model: Path, parallel: int, *, threads: int, tokens: int, n_gpu_layers: int, seed: int = 0) -> dict[str, Any]:
     """One sequence count: its checks, tokens/s with every sequence decoding, and the answers."""
+    from worker.context import Context
     from worker.decoding import choose_mode
     from worker.llama_state import context_cache
     from worker.selfcheck import check_restore
-    from worker.sequence import SeqView
     from worker.settings import WorkerSettings
-    from worker.slots import open_context
 
     settings = WorkerSettings(model=str(model), parallel=parallel, n_ctx=512, n_threads=threads, n_gpu_layers=n_gpu_layers)
-    llm, batcher = open_context(settings, model)
+    context = Context(settings, model)
+    llm = context.sequence(0)
     try:
         check = check_restore(llm, context_cache(llm))
         mode, why = choose_mode(llm, "auto")
-        views = [llm] if batcher is None else [llm, *(SeqView(batcher, i, parallel, settings.n_ctx) for i in range(1, parallel))]
+        views = [context.sequence(i) for i in range(parallel)]
         rng = np.random.default_rng(seed)
         prompts = [[int(t) for t in rng.integers(3, llm.n_vocab(), PROMPT_TOKENS)] for _ in views]
         answers: list[list[int]] = [[] for _ in views]
@@ -66,19 +66,14 @@ def measure(model: Path, parallel: int, *, threads: int, tokens: int, n_gpu_laye
             answers[i] = _answer(views[i], prompts[i], tokens, mode)
 
         t0 = time.perf_counter()
-        if batcher is None:
-            run(0)  # on the thread the checks ran on, as a worker of one sequence does (see `isolated`)
-        else:
-            workers = [threading.Thread(target=run, args=(i,)) for i in range(len(views))]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
+        workers = [threading.Thread(target=run, args=(i,)) for i in range(len(views))]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
         wall = time.perf_counter() - t0
     finally:
-        if batcher is not None:
-            batcher.close()
-        llm.close()
+        context.close()
     return {
         "sequences": parallel,
         "restore_exact": check.exact,
@@ -94,8 +89,7 @@ def measure(model: Path, parallel: int, *, threads: int, tokens: int, n_gpu_laye
 def isolated(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)`` in a fresh process, as every measurement here runs.
 
-    A worker computes on one thread: the main one with one sequence, the batcher's with
-    more. Once one thread of a process has run llama.cpp's OpenMP parallel regions, another
+    A worker computes on one thread: its engine loop's. Once one thread of a process has run llama.cpp's OpenMP parallel regions, another
     thread's run about 3x slower (SmolLM2, 2 threads: 27-34 against 95-114 tokens/s, a
     one-sequence decode loop on a second thread after the first had decoded), which is not
     what a worker sees. So each sequence count, the reference answers and each stall
@@ -107,17 +101,18 @@ def isolated(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 def agreement(runs: list[dict[str, Any]], model: Path, *, threads: int, tokens: int, n_gpu_layers: int) -> list[dict[str, Any]]:
     """The runs, each with how many of its answers equal the same prompts decoded alone (one sequence per context)."""
+    from worker.context import Context
     from worker.decoding import choose_mode
     from worker.settings import WorkerSettings
-    from worker.slots import open_context
 
-    alone, _ = open_context(WorkerSettings(model=str(model), n_ctx=512, n_threads=threads, n_gpu_layers=n_gpu_layers), model)
+    context = Context(WorkerSettings(model=str(model), n_ctx=512, n_threads=threads, n_gpu_layers=n_gpu_layers), model)
+    alone = context.sequence(0)
     try:
         mode = choose_mode(alone, "auto")[0]
         for r in runs:
             r["same_as_alone"] = sum(_answer(alone, p, tokens, mode) == a for p, a in zip(r["prompts"], r["answers"], strict=True))
     finally:
-        alone.close()
+        context.close()
     return runs
 
 
@@ -126,19 +121,17 @@ def stalls(model: Path, *, threads: int, prefill_chunk: int, prompt_tokens: int 
 
     Sequence 0 decodes ``steps`` tokens; from its 10th step sequence 1 evaluates a
     ``prompt_tokens``-token prompt (in ``prefill_chunk`` pieces beside sequence 0's steps),
-    then restores that prompt's state into sequence 2 (under the batcher's lock). Returns
+    then restores that prompt's state into sequence 2 (a task of the engine loop, between rounds). Returns
     sequence 0's gaps between tokens: before, during the prompt and during the restore.
     """
+    from worker.context import Context
     from worker.decoding import choose_mode, decode_step
     from worker.llama_state import evaluate_prompt, last_logits, read_seq_state, restore_seq_state
-    from worker.sequence import SeqView
     from worker.settings import WorkerSettings
-    from worker.slots import open_context
 
     settings = WorkerSettings(model=str(model), parallel=3, n_ctx=prompt_tokens + 256, n_threads=threads, prefill_chunk=prefill_chunk)
-    view, batcher = open_context(settings, model)
-    assert batcher is not None and isinstance(view, SeqView)
-    other, restored = SeqView(batcher, 1, 3, settings.n_ctx), SeqView(batcher, 2, 3, settings.n_ctx)
+    context = Context(settings, model)
+    view, other, restored = (context.sequence(i) for i in range(3))
     rng = np.random.default_rng(1)
     long_prompt = [int(t) for t in rng.integers(3, view.n_vocab(), prompt_tokens)]
     phase = ["before"]
@@ -169,8 +162,7 @@ def stalls(model: Path, *, threads: int, prefill_chunk: int, prompt_tokens: int 
         view.done_generating()
         t.join()
     finally:
-        batcher.close()
-        view._llm.close()
+        context.close()
     return {
         "prefill_chunk": prefill_chunk,
         "prompt_tokens": prompt_tokens,

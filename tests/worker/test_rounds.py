@@ -1,4 +1,4 @@
-"""How the batcher plans a round, and how it names each call of it for ``batcher.totals``.
+"""How the engine loop plans a round, and how it names each call of it for ``loop.totals``.
 
 Pure planning, no model: `plan_round` takes the requests waiting and returns the
 ``llama_decode`` calls of one round; `call_kinds` names each call by what it holds.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.batcher import CallKind, Request, call_kinds, plan_round
+from worker.rounds import CallKind, Request, call_kinds, plan_round
 
 
 def _steps(size: int, seqs: range) -> list[Request]:

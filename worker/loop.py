@@ -1,0 +1,323 @@
+"""The engine loop: the one thread that touches a worker's llama.cpp context.
+
+A worker opens one context (`worker.context.Context`) with ``KVPOOL_PARALLEL`` = P
+sequences and runs P jobs at once, one per RQ thread, each seeing its sequence as a
+`worker.sequence.SeqView`. The job threads never call llama.cpp on the context: they
+hand the loop work and wait for its result. Two kinds of work:
+
+* **decode requests** (`worker.rounds.Request`): a prompt piece or a generated token of
+  one sequence. Each round the loop plans the calls (`worker.rounds.plan_round`), decodes
+  them, and gives each request its logits.
+* **tasks** (`Task`): anything else done to the context (reading a sequence's state for
+  publishing, restoring one, removing cells, reading positions), run between rounds.
+
+One iteration, as llama-server's ``update_slots`` and vLLM's ``EngineCore.step`` do it::
+
+    wait for work ─▶ drop what was abandoned (and purge its cells) ─▶ run the tasks
+        ▲                                                                 │
+        └──── settle: answers out, abandoned requests purged ◀── plan the round, decode its calls
+
+**Aborts at step boundaries.** A job waiting for a decode looks at its watch (the
+client's cancel, `worker.jobs`) between prompt pieces, and any exception that reaches
+its thread while it waits (RQ's job timeout, a second SIGTERM) leaves it the same way:
+the request is marked abandoned, the loop drops it before the next round and removes the
+cells it added, so nothing of it reaches the sequence's next job. A client that leaves
+during a long prompt costs at most the piece being decoded.
+
+**Gathering.** The jobs sample in their own threads, so after a round the loop waits up
+to ``gather_s`` for each sequence it just stepped to ask for its next step, so that the
+sequences keep decoding together; a sequence that takes longer (its client's stream, a
+stop) is not waited for again until it steps again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import llama_cpp
+import numpy as np
+
+from worker.errors import JobAborted
+from worker.rounds import CallKind, CallTotals, Piece, Request, call_kinds, plan_round
+
+log = logging.getLogger("kvpool.worker.loop")
+
+T = TypeVar("T")
+
+WAIT_S = 0.05
+"""How often a job waiting on the loop looks at its watch (and lets an exception raised in its thread through)."""
+
+Watch = Callable[[], str | None]
+"""Why the job should stop now (its client cancelled, ...), or None: asked between prompt pieces."""
+
+
+class LoopClosed(RuntimeError):
+    """The worker is shutting down: the loop takes no more work."""
+
+
+@dataclass(eq=False)
+class Task(Generic[T]):
+    """Work on the context other than decoding, run by the loop between rounds; ``seq``: the sequence it is for."""
+
+    seq: int
+    fn: Callable[[llama_cpp.Llama], T]
+    result: T | None = None
+    error: BaseException | None = None
+    finished: threading.Event = field(default_factory=threading.Event)
+
+
+class EngineLoop:
+    def __init__(self, llm: llama_cpp.Llama, *, n_ubatch: int, prefill_chunk: int, gather_s: float = 0.01) -> None:
+        self.llm = llm
+        self.n_vocab = llm.n_vocab()
+        self.n_ubatch = n_ubatch
+        self.prefill_chunk = max(4, prefill_chunk)
+        self.gather_s = gather_s
+        self._cv = threading.Condition()
+        self._queue: list[Request] = []
+        self._tasks: list[Task[Any]] = []
+        self._expected: set[int] = set()
+        self._closed = False
+        self._batch: Any = llama_cpp.llama_batch_init(n_ubatch, 0, 1)
+        self.on_death: Callable[[str, BaseException], None] | None = None
+        """Told when the loop's thread dies (`worker.supervision`): no decode runs any more."""
+        self.rounds = 0
+        self.calls = 0
+        self.dropped = 0
+        """Requests dropped because their job stopped waiting."""
+        self.totals: dict[CallKind, CallTotals] = {}
+        """Calls and their time by kind, logged once when the loop closes (``loop.totals``)."""
+        self._thread = threading.Thread(target=self._run, name="kvpool-loop", daemon=True)
+        self._thread.start()
+
+    # -- the jobs' side ----------------------------------------------------------------
+
+    def decode(self, seq: int, tokens: list[int], pos: int, *, rows: bool = False, watch: Watch | None = None) -> np.ndarray:
+        """Decode ``tokens`` of sequence ``seq`` at positions ``pos...`` (its cells from ``pos`` on removed first).
+
+        Returns the last token's logits (every token's with ``rows``). Raises `JobAborted`
+        when ``watch`` says so between pieces; then, as on any exception reaching this
+        thread while it waits, the request is abandoned (see the module's doc).
+        """
+        if len(tokens) == 0:
+            raise ValueError("nothing to decode")
+        req = Request(seq, list(tokens), pos, rows)
+        self._submit(lambda: self._queue.append(req))
+        try:
+            while not req.finished.wait(WAIT_S):
+                if watch is not None and (why := watch()) is not None:
+                    raise JobAborted(why)
+        except BaseException:
+            with self._cv:
+                req.abandoned = True
+                self._cv.notify_all()
+            raise
+        if req.error is not None:
+            raise req.error
+        assert req.out is not None
+        return req.out
+
+    def run(self, seq: int, fn: Callable[[llama_cpp.Llama], T]) -> T:
+        """``fn(llm)`` on the loop's thread, between rounds; its result or its exception."""
+        task: Task[T] = Task(seq, fn)
+        self._submit(lambda: self._tasks.append(task))
+        while not task.finished.wait(WAIT_S):
+            pass  # a timed wait: an exception raised in this thread (a job timeout) gets through
+        if task.error is not None:
+            raise task.error
+        return task.result  # type: ignore[return-value]
+
+    def idle(self, seq: int) -> None:
+        """``seq`` stopped generating: the next round does not wait for it."""
+        with self._cv:
+            self._expected.discard(seq)
+            self._cv.notify_all()
+
+    def pending(self) -> int:
+        """Decode requests and tasks the loop holds now (for tests and the totals)."""
+        with self._cv:
+            return len(self._queue) + len(self._tasks)
+
+    def close(self) -> None:
+        """Stop taking work (everything waiting fails with `LoopClosed`) and end the thread; once only."""
+        with self._cv:
+            if self._batch is None:
+                return
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+        batch, self._batch = self._batch, None
+        llama_cpp.llama_batch_free(batch)
+        log.info(
+            "loop.totals",
+            extra={
+                "rounds": self.rounds,
+                "dropped": self.dropped,
+                **{f"{k}_{f}": v for k, t in sorted(self.totals.items()) for f, v in t.fields().items()},
+            },
+        )
+
+    def _submit(self, add: Callable[[], None]) -> None:
+        with self._cv:
+            if self._closed:
+                raise LoopClosed("the worker is stopping")
+            add()
+            self._cv.notify_all()
+
+    # -- the loop's thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        """The thread: iterations until closed. Should it die, everything waiting and everything later fails at once."""
+        try:
+            while self._iteration():
+                pass
+        except BaseException as e:
+            log.exception("loop.died")
+            with self._cv:
+                self._closed = True
+                self._fail_all(LoopClosed(f"the engine loop's thread died: {type(e).__name__}: {e}"))
+            if self.on_death is not None:
+                self.on_death("kvpool-loop", e)
+
+    def _iteration(self) -> bool:
+        with self._cv:
+            if not self._wait_for_work():
+                return False
+            tasks, self._tasks = self._tasks, []
+            dropped = self._take_abandoned()
+        self._purge(dropped)
+        for task in tasks:
+            self._run_task(task)
+        with self._cv:
+            calls = plan_round([r for r in self._queue if not r.abandoned], self.n_ubatch, self.prefill_chunk)
+        for call, kind in zip(calls, call_kinds(calls), strict=True):
+            try:
+                self._call(call, kind)
+            except Exception as e:  # never leave a job waiting on a call that failed
+                log.exception("loop.call_failed")
+                for req, _n in call:
+                    req.error = e
+                    req.finished.set()
+        with self._cv:
+            self._settle_round(calls)
+            dropped = self._take_abandoned()
+        self._purge(dropped)
+        return True
+
+    def _wait_for_work(self) -> bool:
+        """Wait for a request or a task, then up to ``gather_s`` for the sequences stepped last round; False once closed."""
+        while not self._queue and not self._tasks and not self._closed:
+            self._cv.wait()
+        if self._closed:
+            self._fail_all(LoopClosed("the worker is stopping"))
+            return False
+        deadline = time.monotonic() + self.gather_s
+        while self._missing() and (left := deadline - time.monotonic()) > 0:
+            self._cv.wait(left)
+        self._expected -= self._missing()  # late this round: not waited for again until it steps again
+        return True
+
+    def _missing(self) -> set[int]:
+        return self._expected - {r.seq for r in self._queue} - {t.seq for t in self._tasks}
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Every request and task waiting gets ``error``; the caller holds ``_cv``."""
+        waiting: list[Request | Task[Any]] = [*self._queue, *self._tasks]
+        for w in waiting:
+            w.error = error
+            w.finished.set()
+        self._queue.clear()
+        self._tasks.clear()
+
+    def _take_abandoned(self) -> list[Request]:
+        """The abandoned requests, out of the queue; the caller holds ``_cv``."""
+        gone = [r for r in self._queue if r.abandoned]
+        for r in gone:
+            self._queue.remove(r)
+            self._expected.discard(r.seq)
+            r.finished.set()
+        self.dropped += len(gone)
+        return gone
+
+    def _purge(self, dropped: list[Request]) -> None:
+        """Remove the cells abandoned requests added: the sequence's next job finds none of them."""
+        for r in dropped:
+            mem = llama_cpp.llama_get_memory(self.llm.ctx)
+            llama_cpp.llama_memory_seq_rm(mem, r.seq, r.pos, -1)
+            log.info("loop.dropped", extra={"seq": r.seq, "decoded": r.done, "left": r.left})
+
+    def _run_task(self, task: Task[Any]) -> None:
+        try:
+            task.result = task.fn(self.llm)
+        except Exception as e:
+            task.error = e
+        task.finished.set()
+
+    def _settle_round(self, calls: list[list[Piece]]) -> None:
+        self.rounds += 1
+        for call in calls:
+            for req, _n in call:
+                if req.finished.is_set() and req in self._queue and not req.abandoned:  # abandoned: purged below
+                    self._queue.remove(req)
+                    if req.is_step and req.error is None:
+                        self._expected.add(req.seq)
+        self._cv.notify_all()
+
+    def _call(self, call: list[Piece], kind: CallKind) -> None:
+        """One ``llama_decode`` of the pieces; each request whose last token went in gets its logits."""
+        b = self._batch
+        mem = llama_cpp.llama_get_memory(self.llm.ctx)
+        i = 0
+        outputs: list[tuple[Request, int, int]] = []  # request, first batch index, tokens
+        for req, n in call:
+            if req.done == 0:  # a request replaces whatever its sequence holds from its position on
+                llama_cpp.llama_memory_seq_rm(mem, req.seq, req.pos, -1)
+            last = req.done + n == len(req.tokens)
+            for j in range(n):
+                k = req.done + j
+                b.token[i] = req.tokens[k]
+                b.pos[i] = req.pos + k
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = req.seq
+                b.logits[i] = 1 if req.rows or (last and j == n - 1) else 0
+                i += 1
+            outputs.append((req, i - n, n))
+        b.n_tokens = i
+        t0 = time.perf_counter()
+        rc = llama_cpp.llama_decode(self.llm.ctx, b)
+        self.totals.setdefault(kind, CallTotals()).add(i, time.perf_counter() - t0)
+        self.calls += 1
+        for req, first, n in outputs:
+            self._collect(req, first, n, rc)
+
+    def _collect(self, req: Request, first: int, n: int, rc: int) -> None:
+        if rc != 0:
+            req.error = RuntimeError(f"llama_decode returned {rc}")
+            req.finished.set()
+            return
+        ctx = self.llm.ctx
+        if req.rows:
+            if req.out is None:
+                req.out = np.empty((len(req.tokens), self.n_vocab), dtype=np.float32)
+            for j in range(n):
+                ptr = llama_cpp.llama_get_logits_ith(ctx, first + j)
+                req.out[req.done + j] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        req.done += n
+        if req.done == len(req.tokens):
+            if not req.rows:
+                ptr = llama_cpp.llama_get_logits_ith(ctx, first + n - 1)
+                req.out = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+            req.finished.set()
+
+
+def token_data(n_vocab: int) -> tuple[ctypes.Array, np.ndarray]:
+    """A ``llama_token_data`` array for sampling, and a numpy view of it (fields id, logit, p)."""
+    arr = (llama_cpp.llama_token_data * n_vocab)()
+    view = np.ctypeslib.as_array(arr).view(np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)]))
+    return arr, view
