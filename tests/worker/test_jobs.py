@@ -111,6 +111,7 @@ def test_closing_waits_for_the_write_in_flight_so_nothing_of_the_attempt_lands_a
     closer = threading.Thread(target=stream.close)
     try:
         assert stream.send(TokenEvent(text="a", token=1))
+        poll(lambda: stream._writing.locked(), "the writer to start writing the token (Redis holds it)")
         closer.start()
         closer.join(1.0)
         assert closer.is_alive(), "close returned while the token's write was still waiting for Redis"

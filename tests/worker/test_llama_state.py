@@ -23,13 +23,13 @@ import llama_cpp
 import numpy as np
 import pytest
 
+from worker.context import open_llama
 from worker.kvchunks import cut_state, join_state
 from worker.kvstate import StateFormatError, describe_state
 from worker.llama_state import (
     StateRestoreError,
     cache_type_id,
     context_cache,
-    open_llama,
     read_seq_state,
     restore_seq_state,
 )
