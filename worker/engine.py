@@ -107,6 +107,7 @@ class Engine:
         metrics.INFO.info({**self.labels, **self.identity(), "restore": str(self.restore_enabled).lower(), "worker": name})
         self.publisher = Publisher(store, settings.publish_queue, self.labels) if store and settings.publish else None
         self.eval_rate = EvalRate()
+        self.family: list[Held] = [self.held]  # what each sequence of the context holds, shared (`for_sequence` adds each)
         self.sequences: set[str] = {name}
         """The names of the sequences of this context, shared by their engines (`for_sequence` adds each)."""
         self.leases = (
@@ -127,6 +128,7 @@ class Engine:
             self.restore_enabled,
             self.name,
             self.sequences,
+            self.family,
         )
 
     @property
@@ -164,6 +166,7 @@ class Engine:
         leases and start-up verdicts shared, the sequence's cells and pending publishes its own."""
         other = copy.copy(self)
         other.held = Held(self.context.sequence(seq), self.kv)
+        self.family.append(other.held)
         other.name, other.owner, other._pending, other._deferred = name, False, None, None
         self.sequences.add(name)
         if self.leases is not None and self.store is not None:  # a lease names the sequence holding it

@@ -183,11 +183,11 @@ def read_seq_state(llm: Llama, seq_id: int = 0, *, into: Callable[[int], bytearr
     ``into(size)``: a buffer of at least ``size`` bytes to read into (`Publisher.buffer`); the result is then a view.
     """
     if isinstance(llm, SeqView):
-        return llm.read_state(_read_state, into)  # type: ignore[no-any-return]
-    return _read_state(llm.ctx, seq_id, into)  # type: ignore[no-any-return]
+        return llm.read_state(read_ctx_state, into)  # type: ignore[no-any-return]
+    return read_ctx_state(llm.ctx, seq_id, into)  # type: ignore[no-any-return]
 
 
-def _read_state(ctx: Any, seq_id: int, into: Callable[[int], bytearray] | None = None) -> Any:
+def read_ctx_state(ctx: Any, seq_id: int, into: Callable[[int], bytearray] | None = None) -> Any:
     size = llama_cpp.llama_state_seq_get_size(ctx, seq_id)
     if size == 0:
         raise StateReadError(f"llama_state_seq_get_size failed for sequence {seq_id}")
@@ -237,9 +237,9 @@ def restore_seq_state(llm: Llama, state: Buffer, tokens: Sequence[int], seq_id: 
         return
 
     if isinstance(llm, SeqView):
-        llm.write_state(_write_state, state)
+        llm.write_state(write_ctx_state, state)
     else:
-        _write_state(llm.ctx, state, seq_id)
+        write_ctx_state(llm.ctx, state, seq_id)
     if check:
         lo, hi = seq_positions(llm, seq_id)
         if (lo, hi) != (0, n - 1):
@@ -250,7 +250,7 @@ def restore_seq_state(llm: Llama, state: Buffer, tokens: Sequence[int], seq_id: 
         llm.n_tokens = n
 
 
-def _write_state(ctx: Any, state: Buffer, seq_id: int) -> None:
+def write_ctx_state(ctx: Any, state: Buffer, seq_id: int) -> None:
     _keep_alive, src = _as_uint8_pointer(state)
     consumed = llama_cpp.llama_state_seq_set_data(ctx, src, len(state), seq_id)
     if consumed != len(state):

@@ -39,6 +39,7 @@ from worker.leases import Claim, EvalRate, LeaseOutcome, Leases, leased_by_other
 from worker.llama_state import ContextCache, Llama, StateReadError, StateRestoreError, read_seq_state, restore_seq_state, seq_positions
 from worker.protocol import StoreStatus
 from worker.restore_choice import Choice, Option, RestoreRate, choose
+from worker.siblings import copy_from_sibling
 
 log = logging.getLogger("kvpool.worker")
 
@@ -128,6 +129,8 @@ class PrefixFinder:
     name: str
     siblings: Collection[str] = frozenset()
     """The names of the sequences that share this one's context and engine loop (this one's among them)."""
+    family: Sequence[Held] = ()
+    """What each sequence of this context holds (this one's among them): a prefix a sibling holds is copied (`worker.siblings`)."""
     restore_rate: RestoreRate = field(default_factory=RestoreRate)
 
     @property
@@ -146,6 +149,8 @@ class PrefixFinder:
         """
         plan = Plan(store_status="ok" if self.store else "disabled")
         n_local = self.held.local_prefix(ns.tenant_salt, tokens)
+        if len(self.family) > 1 and self.kv.cuttable and self.restore_enabled:
+            n_local = max(n_local, self._from_sibling(ns.tenant_salt, tokens))
         plan.cached_context = min(n_local, keepable(tokens))
         if self.checkpoints is not None:
             self._restore_checkpoint(ns, tokens, keys, n_local, plan)
@@ -156,6 +161,15 @@ class PrefixFinder:
             if worth is not None:
                 self._restore(ns, tokens, keys, n_local, worth, plan)
         return plan
+
+    def _from_sibling(self, tenant: str, tokens: list[int]) -> int:
+        """The prefix another sequence of this context holds, copied in (`worker.siblings`); the cells held now, or 0."""
+        try:
+            return copy_from_sibling(self.held, self.family, tenant, tokens, keepable(tokens), self.labels)
+        except (StateReadError, StateRestoreError, StateFormatError) as e:
+            log.error("prefix.sibling_copy_failed", extra={"reason": str(e)})
+            self.held.forget()
+            return 0
 
     def _worth_restoring(self, tokens: list[int], n_local: int, hit: Hit, plan: Plan) -> Hit | None:
         """The part of ``hit`` whose restore, with the rest evaluated, is expected to be fastest; None: evaluate it all."""

@@ -52,6 +52,7 @@ class Answer:
     finish: str
     cached_store: int
     held: int
+    cached_context: int = 0
 
 
 def ask(engine: Engine, tokens: list[int], *, n: int = N, cancel_after: int | None = None, **sampling: object) -> Answer:
@@ -73,7 +74,8 @@ def ask(engine: Engine, tokens: list[int], *, n: int = N, cancel_after: int | No
     )
     result = engine.run(spec, emit)
     engine.after_answer()
-    return Answer(seen[0], result.tokens, result.finish_reason, result.usage.cached_from_store, engine.llm.n_tokens)
+    u = result.usage
+    return Answer(seen[0], result.tokens, result.finish_reason, u.cached_from_store, engine.llm.n_tokens, u.cached_from_context)
 
 
 def together(calls: list[Callable[[], Answer]]) -> list[Answer]:
@@ -182,7 +184,8 @@ def test_a_restore_into_one_sequence_while_three_decode(engines: list[Engine], c
     shared = cold.tokenize(prompt_text(41, 400).encode())
     ask(engines[0], shared)  # publishes the prompt's chunks and tail
     assert engines[0].publisher is not None and engines[0].publisher.wait_idle()
-    engines[3].forget_context()
+    for e in (engines[0], engines[3]):  # no sequence holds it: sequence 3 restores it from the store, not from a sibling
+        e.forget_context()
     texts = prompts(4, 3, cold)
     calls = [lambda t=t, e=e: ask(e, t, n=40) for t, e in zip(texts, engines[:3], strict=True)]
     calls.append(lambda: ask(engines[3], [*shared, *cold.tokenize(b" And then?", add_bos=False)]))
@@ -197,7 +200,8 @@ def test_a_restore_into_one_sequence_while_three_decode(engines: list[Engine], c
 
 
 def test_two_sequences_sent_the_same_prompt_at_once_evaluate_it_once(engines: list[Engine], cold: llama_cpp.Llama) -> None:
-    """Each sequence leases under its own name: one evaluates the prompt's chunks, the other waits for them and restores.
+    """Each sequence leases under its own name: one evaluates the prompt's chunks, the other waits for them and copies
+    them from its sibling's cells (`worker.siblings`).
 
     It waits even when its own evaluation rate says evaluating here would be quicker (as
     it would be on another worker's cores): a sibling shares the batcher and the cores.
@@ -219,7 +223,8 @@ def test_two_sequences_sent_the_same_prompt_at_once_evaluate_it_once(engines: li
             e.finder.restore_rate = r
     assert {engines[0].leases.owner, engines[1].leases.owner} == {"b.0", "b.1"}
     full = len(prompt) // CHUNK * CHUNK
-    assert sorted([a.cached_store, b.cached_store])[1] >= full, "both sequences evaluated the prompt"
+    assert sorted([a.cached_context, b.cached_context])[1] >= full, "both sequences evaluated the prompt"
+    assert a.cached_store == b.cached_store == 0, "the one that waited went to the store for what its sibling holds"
     ref_logits, ref_tokens = cold_answer(cold, prompt)
     for x in (a, b):
         assert np.array_equal(x.logits, ref_logits) and x.tokens == ref_tokens

@@ -1,0 +1,128 @@
+"""Sequences of one worker share a prefix through the context: a sibling's cells are copied, not restored or evaluated.
+
+In-process, on the real model (SmolLM2-135M-Instruct): one engine opens a context of two
+sequences with a store (S3 over HTTP, a Redis of the module's own), as a worker with
+``KVPOOL_PARALLEL=2`` does. Sequence 0 answers a prompt, and the store holds it; then
+sequence 1, which holds nothing, is asked the prompt plus a question, while sequence 0
+still generates. It copies the prefix from sequence 0's cells (`worker.siblings`): none
+of it comes from the store and none is evaluated again, and its answer is a cold
+evaluation's, bit for bit. Another tenant's cells are never copied.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from gateway.pool.procs import RedisServer
+from gateway.pool.s3server import S3Server
+from store.store import Store
+from tests.helpers import cold_greedy, prompt_text, s3_settings
+from worker import metrics
+from worker.context import open_llama
+from worker.engine import Engine
+from worker.llama_state import evaluate_prompt, last_logits
+from worker.protocol import JobResult, SamplingParams, TokenEvent, job_spec
+from worker.settings import WorkerSettings
+
+CHUNK = 64
+
+pytestmark = pytest.mark.fp_path
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, smollm2: Path) -> Iterator[list[Engine]]:
+    with RedisServer(tmp_path_factory.mktemp("redis-siblings")) as server:
+        base = s3_settings(s3_server.endpoint_url, f"kvpool-siblings-{uuid.uuid4().hex[:8]}", server.url)
+        settings = WorkerSettings(**{**base.model_dump(), "chunk_size": CHUNK, "n_ctx": 2048, "n_threads": 2, "parallel": 2})
+        engine = Engine(settings, smollm2, store=Store.open(settings), name="s.0")
+        yield [engine, engine.for_sequence(1, "s.1")]
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def cold(smollm2: Path) -> llama_cpp.Llama:
+    return open_llama(smollm2, flash_attn=False, n_ctx=2048, n_threads=2)
+
+
+def ask(
+    engine: Engine, tokens: list[int], *, n: int = 8, tenant: str = "", started: threading.Event | None = None
+) -> tuple[np.ndarray, JobResult]:
+    seen: list[np.ndarray] = []
+
+    def emit(_: TokenEvent) -> bool:
+        if not seen:
+            seen.append(last_logits(engine.llm))
+            if started is not None:
+                started.set()
+        return True
+
+    spec = job_spec(
+        tokens,
+        model=engine.fingerprint,
+        chunk_size=CHUNK,
+        tenant_salt=tenant,
+        sampling=SamplingParams(max_tokens=n, temperature=0.0, top_k=1),
+    )
+    result = engine.run(spec, emit)
+    engine.after_answer()
+    return seen[0], result
+
+
+def cold_answer(cold: llama_cpp.Llama, tokens: list[int], n: int = 8) -> tuple[np.ndarray, list[int]]:
+    cold.reset()
+    evaluate_prompt(cold, tokens, 0)
+    return last_logits(cold), cold_greedy(cold, tokens, n)
+
+
+def copied(engine: Engine) -> float:
+    return metrics.SIBLING_TOKENS.labels(**engine.labels)._value.get()
+
+
+def test_a_prefix_a_busy_sibling_holds_is_copied_from_its_cells_with_the_cold_bits_and_no_store_read(
+    engines: list[Engine], cold: llama_cpp.Llama
+) -> None:
+    first, second = engines
+    shared = cold.tokenize(prompt_text(71, 900).encode())[:800]
+    ask(first, shared)  # sequence 0 holds it, and the store too
+    assert first.publisher is not None and first.publisher.wait_idle()
+    second.forget_context()
+    before = copied(second)
+
+    started = threading.Event()
+    busy: list[object] = []
+    t = threading.Thread(
+        target=lambda: busy.append(ask(first, [*shared, *cold.tokenize(b" Go on.", add_bos=False)], n=120, started=started))
+    )
+    t.start()  # sequence 0 keeps generating while sequence 1 takes its prefix
+    assert started.wait(120)
+    prompt = [*shared, *cold.tokenize(b" And then?", add_bos=False)]
+    logits, result = ask(second, prompt)
+    t.join(timeout=300)
+
+    assert result.usage.cached_from_context == len(shared), "the prefix did not come from the sibling's cells"
+    assert result.usage.cached_from_store == 0 and result.usage.evaluated_tokens == len(prompt) - len(shared)
+    assert copied(second) - before == len(shared)
+    ref_logits, ref_tokens = cold_answer(cold, prompt)
+    assert np.array_equal(logits, ref_logits) and result.tokens == ref_tokens
+    busy_logits, busy_result = busy[0]  # type: ignore[misc]
+    ref_logits, ref_tokens = cold_answer(cold, [*shared, *cold.tokenize(b" Go on.", add_bos=False)], 120)
+    assert np.array_equal(busy_logits, ref_logits) and busy_result.tokens == ref_tokens, "the sibling copied from answered otherwise"
+
+
+def test_another_tenants_cells_are_never_copied(engines: list[Engine], cold: llama_cpp.Llama) -> None:
+    first, second = engines
+    prompt = cold.tokenize(prompt_text(72, 400).encode())
+    ask(first, prompt, tenant="tenant-a")
+    second.forget_context()
+    before = copied(second)
+    logits, result = ask(second, prompt, tenant="tenant-b")
+    assert result.usage.cached_from_context == 0 and copied(second) == before
+    ref_logits, ref_tokens = cold_answer(cold, prompt)
+    assert np.array_equal(logits, ref_logits) and result.tokens == ref_tokens

@@ -1,0 +1,94 @@
+"""A prefix another sequence of the same context holds, copied inside the context: no store, no evaluation.
+
+With ``KVPOOL_PARALLEL`` = P, a job that lands on a sequence not holding its prefix
+(because the sequence that does is busy, or the job came through the shared queue) would
+otherwise restore the prefix from the store, a copy out of the context, through the
+store, and back in, or evaluate it again. Instead, one task of the engine loop
+(`worker.loop`) copies the cells from the sibling that holds the most of the prompt:
+
+1. it picks the sibling, in the loop's thread, between two rounds, where no sequence's
+   cells can change under it: what a sequence holds exactly is the common prefix of the
+   prompt and its view's tokens, up to ``Held.exact_upto`` and the view's ``n_tokens``
+   (a decode replaces only cells from ``n_tokens`` on), under the same tenant;
+2. it reads the sibling's sequence state, cuts its first ``n`` cells
+   (`worker.kvchunks.cut_cells`) and loads them into this sequence, in the single-stream
+   format a restore from the store loads (`worker.sequence`), so the cells are the same
+   bytes, and the answer the same bits, as a restore's and a cold evaluation's.
+
+llama.cpp's ``llama_memory_seq_cp`` across streams copies a whole stream and defers the
+copy to the next decode; a task later in the same iteration could then change the source
+first. A copy through host memory, done at once, cannot be overtaken.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import llama_cpp
+import numpy as np
+
+from worker import metrics
+from worker.kvchunks import cut_cells, join_state
+from worker.llama_state import read_ctx_state, write_ctx_state
+from worker.sequence import SeqView, multi_stream, single_stream
+
+if TYPE_CHECKING:
+    from worker.prefix import Held
+
+log = logging.getLogger("kvpool.worker")
+
+MIN_TOKENS = 32
+"""Shorter prefixes are evaluated: the copy's fixed cost (reading the sibling's whole state) would not pay."""
+
+
+def held_for(held: Held, tenant: str, tokens: np.ndarray) -> int:
+    """How many leading ``tokens`` ``held``'s sequence holds exactly for ``tenant``; read in the loop's thread."""
+    view = held.llm
+    if held.tenant != tenant or not isinstance(view, SeqView):
+        return 0
+    n = min(held.exact_upto, view.n_tokens, len(tokens))
+    mine = view.input_ids[:n]
+    differ = (mine != tokens[:n]).nonzero()[0]
+    return int(differ[0]) if len(differ) else n
+
+
+def copy_from_sibling(held: Held, siblings: Sequence[Held], tenant: str, tokens: list[int], upto: int, labels: dict[str, str]) -> int:
+    """Load into ``held``'s sequence the longest prefix of ``tokens`` (at most ``upto``) a sibling holds; the cells now held.
+
+    Returns 0, with nothing changed, when no sibling holds more than ``MIN_TOKENS`` of it
+    beyond what this sequence holds already.
+    """
+    view = held.llm
+    assert isinstance(view, SeqView)
+    want = np.asarray(tokens[:upto], dtype=np.intc)
+    have = held_for(held, tenant, want)
+    others = [h for h in siblings if h is not held]
+    if not others or upto - have < MIN_TOKENS:
+        return 0
+    t0 = time.perf_counter()
+
+    def copy(llm: llama_cpp.Llama) -> tuple[int, int]:
+        src, n = max(((h, min(held_for(h, tenant, want), upto)) for h in others), key=lambda p: p[1])
+        if n - have < MIN_TOKENS:
+            return -1, 0
+        seq = src.llm.seq  # type: ignore[union-attr]
+        state = single_stream(read_ctx_state(llm.ctx, seq), seq, view.n_streams)
+        cells = join_state([cut_cells(state, 0, n)], v_trans=held.kv.v_trans)
+        view.reset()  # what this sequence held is gone from here on, whatever happens next
+        held.hold(tenant, 0)
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.ctx), view.seq, -1, -1)
+        write_ctx_state(llm.ctx, cells if view.n_streams == 1 else multi_stream(cells, view.seq, view.n_streams), view.seq)
+        view.input_ids[:n] = want[:n]
+        view.n_tokens = n
+        held.hold(tenant, n)  # set here, in the loop's thread: siblings' copies read it between rounds
+        return seq, n
+
+    seq, n = view.loop.run(view.seq, copy)
+    if n == 0:
+        return 0
+    metrics.SIBLING_TOKENS.labels(**labels).inc(n)
+    log.info("prefix.sibling_copy", extra={"from_seq": seq, "to_seq": view.seq, "tokens": n, "s": round(time.perf_counter() - t0, 4)})
+    return n
