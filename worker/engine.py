@@ -201,8 +201,6 @@ class Engine:
         keys = ns.chain(tokens)  # the blob chain, hashed once and passed along
 
         plan = self._plan_for(spec, ns, tokens, keys)
-        if spec.sampling.prompt_logprobs is None:
-            plan = self.finder.coalesce(ns, tokens, keys, plan)
         try:
             self._count_prompt(plan, len(tokens))
             t_eval = time.perf_counter()
@@ -245,7 +243,7 @@ class Engine:
     def _plan_for(self, spec: JobSpec, ns: Namespace, tokens: list[int], keys: list[BlobKey]) -> Plan:
         """The prefix to keep; none for a scored prompt, whose every position needs its logits (`worker.scoring`)."""
         if spec.sampling.prompt_logprobs is None:
-            return self.finder.prepare(ns, tokens, keys)
+            return self.finder.find(ns, tokens, keys)
         plan = Plan(store_status="ok" if self.store else "disabled")
         self.finder.store_hit(ns, tokens, keys, plan)
         return plan
@@ -291,7 +289,7 @@ class Engine:
             cached_from_store=plan.cached_store,
             evaluated_tokens=n - plan.start,
         )
-        return job_result(spec, outs, usage, timings, scored, worker=self.name, store_status=plan.store_status)
+        return job_result(spec, outs, usage, timings, scored, worker=self.name, store_status=plan.store_status, restore_choice=plan.choice)
 
     def settle(self, job_waiting: Callable[[], bool]) -> None:
         """Without exact decoding: once the answer is out and the worker idles, evaluate the completion as prompt
