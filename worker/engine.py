@@ -257,7 +257,7 @@ class Engine:
         stops = checkpoint_stops(start, len(tokens), ns.chunk_size, self.settings.checkpoint_every, self.kv.n_swa, spec.message_starts)
         states = evaluate_saving(self.llm, tokens, start, self.checkpoints.missing(ns, tokens, keys, stops))
         if states:
-            self.publisher.submit_checkpoints(ns, tokens, keys, states)
+            self.publisher.submit_checkpoints(ns, tokens, keys, states, resumed=start)
         return None
 
     def _count_prompt(self, plan: Plan, n_prompt: int) -> None:
