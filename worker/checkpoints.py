@@ -76,7 +76,9 @@ def checkpoint_stops(start: int, n: int, chunk_size: int, every: int, n_swa: int
     which resends the whole history, resumes from. Off-boundary stops are stored as tail
     checkpoints, and a newer one of the same prompt supersedes the older ones
     (`store.checkpoints.Checkpoints.supersede`), so a long session stores a bounded number
-    of bytes. A window model stops only where it is `aligned` (a hint or the end moves
+    of bytes; a hint or end that falls on a boundary not `spaced` moves back off it (one
+    token, or one window alignment, unless chunks are that small), or it would be stored as a
+    boundary, never superseded. A window model stops only where it is `aligned` (a hint or the end moves
     back to such a position), and no piece between stops is a single token (a one-token
     batch comes out of other kernels).
     """
@@ -84,6 +86,9 @@ def checkpoint_stops(start: int, n: int, chunk_size: int, every: int, n_swa: int
     stops = {d * c for d in range(start // c + 1, (n - 2) // c + 1) if spaced(d, every) and aligned(d * c, n_swa)}
     for want in [*hints, n - 2]:
         pos = want - (want - n_swa) % WINDOW_ALIGN if n_swa and want > n_swa else want
+        step = WINDOW_ALIGN if n_swa and pos > n_swa else 1
+        if pos % c == 0 and not spaced(pos // c, every) and (pos - step) % c:  # a tail, which a later turn supersedes
+            pos -= step
         if start < pos <= n - 2 and all(abs(pos - s) >= 2 for s in stops | {start}):
             stops.add(pos)
     return sorted(stops)
