@@ -62,12 +62,21 @@ def size(p: int) -> int:
     return int(a + b * p) if p > N_SWA else int(small + (a + b * N_SWA - small) * max(0, p - CHUNK) / (N_SWA - CHUNK))
 
 
-out = {"fit": {"bytes_at_0": round(a), "bytes_per_token": round(b, 1), "at_32k_MB": round(size(32768) / 1e6, 1)}, "checks": {}, "sessions": []}
+out = {
+    "fit": {"bytes_at_0": round(a), "bytes_per_token": round(b, 1), "at_32k_MB": round(size(32768) / 1e6, 1)},
+    "checks": {},
+    "sessions": [],
+}
 for policy, run in runs.items():
     lengths = [r["prompt_tokens"] for r in run["rows"]]
     hints = [None] + [lengths[i - 1] + 16 + 5 for i in range(1, len(lengths))]  # the answer (16 tokens) and the turn markers
     model_bytes, model_blobs, _ = replay(lengths, hints, policy, size)
-    out["checks"][policy] = {"measured_bytes": run["store_bytes"], "replayed_bytes": model_bytes, "measured_blobs": run["blob_files"], "replayed_blobs": model_blobs}
+    out["checks"][policy] = {
+        "measured_bytes": run["store_bytes"],
+        "replayed_bytes": model_bytes,
+        "measured_blobs": run["blob_files"],
+        "replayed_blobs": model_blobs,
+    }
 for first, last, turns in [(1000, 30_000, 40), (18_000, 32_768, 40), (18_000, 32_768, 150), (18_000, 32_768, 300)]:
     lengths = [int(x) for x in np.linspace(first, last, turns)]
     hints = [None] + [lengths[i - 1] + 100 for i in range(1, turns)]
