@@ -24,7 +24,7 @@ from gateway.pool.procs import free_port
 from store.chain import Namespace
 from store.checkpoints import checkpoint_key, checkpoint_name
 from store.index import RedisIndex
-from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, prompt_text, s3_client
+from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, poll, prompt_text, s3_client
 from worker.checkpoints import STOPS_PER_DOUBLING, WINDOW_ALIGN, aligned, checkpoint_stops, spaced
 from worker.namespace import namespace_for
 
@@ -212,3 +212,27 @@ def test_checkpoint_stops_are_few_in_the_prompt_and_always_reach_its_end(
     off = WINDOW_ALIGN + 1 if n_swa else 2  # moved off a boundary not spaced, then kept two tokens from another stop
     if end - start > off:
         assert stops and stops[-1] >= end - off, "the newest checkpoint, the next turn's resume point, is always saved"
+
+
+def test_each_turn_of_a_chat_supersedes_the_tail_checkpoints_before_the_one_it_resumed_from(
+    start_worker, redis_url, uncuttable_models
+) -> None:
+    """Three turns, each resending the last prompt and more, on alternate workers: each resumes from the last turn's end;
+    the third, once its own checkpoints are stored, drops the first turn's end (the second's, which it resumed from, stays)."""
+    model = uncuttable_models["tiny-ssm"]
+    start_worker("w1", KVPOOL_MODEL=str(model))
+    start_worker("w2", KVPOOL_MODEL=str(model))
+    client = PoolClient(redis.Redis.from_url(redis_url), model)
+    chat = client.tokens(prompt_text(31, 200))
+    turns = [chat[:n] for n in (110, 170, 230)]  # their ends (108, 168, 228) fall between boundaries: tail checkpoints
+    ends = []
+    for i, prompt in enumerate(turns):
+        r = client.run(prompt, worker="w1" if i % 2 == 0 else "w2")
+        ends.append(checkpoint_stops(0, len(prompt), C, 1)[-1])
+        assert ends[-1] % C, "each turn's end is a tail checkpoint"
+        assert r.usage.cached_from_store == (ends[-2] if i else 0), "each turn resumes from the last one's end"
+        ns, keys = wait_checkpoints(client, prompt, [ends[-1]])
+    index = RedisIndex(client.conn)
+    first, second = (checkpoint_key(ns, turns[2], keys, e) for e in ends[:2])
+    poll(lambda: not index.present([first])[0], "the first turn's end superseded")
+    assert index.present([second]) == [True], "the checkpoint the last turn resumed from stays"
