@@ -9,11 +9,12 @@ attention layers' cells grow with the position). First the measured 8k sessions 
 replayed (their prompt lengths, from the JSON), to check the replay against the store's
 real count; then longer sessions are extrapolated.
 
-    python docs/bench/checkpoints-gemma3/session_model.py docs/bench/checkpoints-gemma3/agent-session-{spaced,before}-8192.json
+    python docs/bench/checkpoints-gemma3/session_model.py docs/bench/checkpoints-gemma3/agent-session-*.json
 """
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -47,8 +48,8 @@ def replay(lengths: list[int], hints: list[int | None], policy: str, size) -> tu
     return sum(size(p) for p in held), len(held), written
 
 
-runs = {json.load(open(p))["policy"]: json.load(open(p)) for p in sys.argv[1:]}
-ref = runs.get("before") or next(iter(runs.values()))
+runs = {Path(p).stem: json.load(open(p)) for p in sys.argv[1:]}
+ref = next((r for r in runs.values() if r["policy"] == "before"), next(iter(runs.values())))  # the fit: every boundary
 biggest: dict[int, int] = {}
 for e in ref["entries"]:
     biggest[e["index"]] = max(biggest.get(e["index"], 0), e["size"])
@@ -67,11 +68,12 @@ out = {
     "checks": {},
     "sessions": [],
 }
-for policy, run in runs.items():
+for name, run in runs.items():
+    policy = run["policy"]
     lengths = [r["prompt_tokens"] for r in run["rows"]]
     hints = [None] + [lengths[i - 1] + 16 + 5 for i in range(1, len(lengths))]  # the answer (16 tokens) and the turn markers
     model_bytes, model_blobs, _ = replay(lengths, hints, policy, size)
-    out["checks"][policy] = {
+    out["checks"][name] = {
         "measured_bytes": run["store_bytes"],
         "replayed_bytes": model_bytes,
         "measured_blobs": run["blob_files"],
