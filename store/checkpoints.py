@@ -97,14 +97,9 @@ class Checkpoints:
         c = ns.chunk_size
         depth = self.deepest(keys[: limit // c])
         best = Found(depth, c)
-        top = min(limit // c, len(keys))
-        parents = [ns.parent_of(keys, d) for d in range(depth, top + 1)]
-        tables = self.store._guard("redis", lambda: self.store.index.tails_of(parents))
-        for d, table in zip(range(depth, top + 1), tables):
-            for key, toks in table.items():
-                end = d * c + len(toks)
-                if best.tokens < end <= limit and common_prefix(toks, tokens[d * c : end]) == len(toks):
-                    best = Found(d, c, TailMatch(key, toks, len(toks)))
+        for d, tail in self._tails_from(ns, tokens, keys, depth, limit):
+            if best.tokens < d * c + len(tail.tokens):
+                best = Found(d, c, tail)
         return best
 
     def fetch_found(self, ns: Namespace, tokens: Tokens, keys: Sequence[bytes], found: Found) -> memoryview | None:
@@ -144,7 +139,46 @@ class Checkpoints:
         self.store._touch_quietly([], tail=key)
         return payload
 
+    def _tails_from(self, ns: Namespace, tokens: Tokens, keys: Sequence[bytes], depth: int, limit: int) -> list[tuple[int, TailMatch]]:
+        """The tail checkpoints the prompt continues with whole that hang from the boundary after ``depth`` chunks or a later
+        one and end at or before ``limit`` tokens (chunks before each, tail), in one round trip."""
+        c = ns.chunk_size
+        top = min(limit // c, len(keys))
+        parents = [ns.parent_of(keys, d) for d in range(depth, top + 1)]
+        tables = self.store._guard("redis", lambda: self.store.index.tails_of(parents))
+        found = []
+        for d, table in zip(range(depth, top + 1), tables):
+            for key, toks in table.items():
+                end = d * c + len(toks)
+                if end <= limit and common_prefix(toks, tokens[d * c : end]) == len(toks):
+                    found.append((d, TailMatch(key, toks, len(toks))))
+        return found
+
     # -- writing ---------------------------------------------------------------
+
+    def supersede(self, ns: Namespace, tokens: Tokens, keys: Sequence[bytes], resumed: int) -> int:
+        """Drop the prompt's tail checkpoints that end before ``resumed`` tokens; returns how many. Never raises.
+
+        Called once a job that resumed from ``resumed`` tokens has stored the checkpoints of its
+        prompt's end: a chat resends its whole history, so each turn resumes from the newest
+        checkpoint, and the older ones of the same conversation would only pile up (whole
+        states, as large as their position). The one it resumed from stays, for another
+        request that parts from the same history (a retry, a side request of an agent).
+        Boundary checkpoints stay: they are few (`worker.checkpoints.spaced`) and shared. Every
+        boundary before ``resumed`` is looked at (one round trip), not only those after the
+        deepest boundary checkpoint, so no older tail of the conversation is left behind.
+        """
+        try:
+            old = self._tails_from(ns, tokens, keys, 0, resumed - 1)
+        except StoreUnavailable:
+            return 0
+        if not old:
+            return 0
+        self.store._drop_quietly([t.key for _, t in old])
+        for d, t in old:
+            self.store._delete_quietly(str(BlobName(ns.key, d, t.key, tail=True)))
+        log.info("checkpoint.superseded", extra={"tails": len(old), "resumed": resumed})
+        return len(old)
 
     def missing(self, ns: Namespace, tokens: Tokens, keys: Sequence[bytes], ends: Sequence[int]) -> list[int]:
         """Which of ``ends`` (tokens held) have no checkpoint indexed, in one round trip; all of them when the index is unreachable."""

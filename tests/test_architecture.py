@@ -38,6 +38,8 @@ ENGINE_SIDE = {
     "worker.loop",
     "worker.rounds",
     "worker.sequence",
+    "worker.siblings",
+    "worker.held",
 }
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60

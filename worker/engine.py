@@ -47,11 +47,12 @@ from worker.checkpoints import checkpoint_stops, evaluate_saving
 from worker.context import Context
 from worker.decoding import DecodeMode, answer_held, choose_mode, decode_step
 from worker.errors import JobRejected
+from worker.held import Held
 from worker.kvstate import Buffer
 from worker.leases import EvalRate, Leases
 from worker.llama_state import CACHE_TYPE_NAMES, ContextCache, context_cache, evaluate_prompt, read_seq_state
 from worker.namespace import SHARED_KERNELS, cache_format, kernels_field, worker_kernels
-from worker.prefix import Held, Plan, PrefixFinder
+from worker.prefix import Plan, PrefixFinder
 from worker.protocol import Breakpoint, JobResult, JobSpec, Timings, TokenEvent, Usage
 from worker.publisher import Publisher
 from worker.sampling import Output, job_result, sample_choices
@@ -203,8 +204,6 @@ class Engine:
         keys = ns.chain(tokens)  # the blob chain, hashed once and passed along
 
         plan = self._plan_for(spec, ns, tokens, keys)
-        if spec.sampling.prompt_logprobs is None:
-            plan = self.finder.coalesce(ns, tokens, keys, plan)
         try:
             self._count_prompt(plan, len(tokens))
             t_eval = time.perf_counter()
@@ -247,7 +246,7 @@ class Engine:
     def _plan_for(self, spec: JobSpec, ns: Namespace, tokens: list[int], keys: list[BlobKey]) -> Plan:
         """The prefix to keep; none for a scored prompt, whose every position needs its logits (`worker.scoring`)."""
         if spec.sampling.prompt_logprobs is None:
-            return self.finder.prepare(ns, tokens, keys)
+            return self.finder.find(ns, tokens, keys)
         plan = Plan(store_status="ok" if self.store else "disabled")
         self.finder.store_hit(ns, tokens, keys, plan)
         return plan
@@ -261,7 +260,7 @@ class Engine:
         stops = checkpoint_stops(start, len(tokens), ns.chunk_size, self.settings.checkpoint_every, self.kv.n_swa, spec.message_starts)
         states = evaluate_saving(self.llm, tokens, start, self.checkpoints.missing(ns, tokens, keys, stops))
         if states:
-            self.publisher.submit_checkpoints(ns, tokens, keys, states)
+            self.publisher.submit_checkpoints(ns, tokens, keys, states, resumed=start)
         return None
 
     def _count_prompt(self, plan: Plan, n_prompt: int) -> None:
@@ -293,7 +292,7 @@ class Engine:
             cached_from_store=plan.cached_store,
             evaluated_tokens=n - plan.start,
         )
-        return job_result(spec, outs, usage, timings, scored, worker=self.name, store_status=plan.store_status)
+        return job_result(spec, outs, usage, timings, scored, worker=self.name, store_status=plan.store_status, restore_choice=plan.choice)
 
     def settle(self, job_waiting: Callable[[], bool]) -> None:
         """Without exact decoding: once the answer is out and the worker idles, evaluate the completion as prompt

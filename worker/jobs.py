@@ -238,6 +238,7 @@ def _answer(job: Job, engine: Engine, spec: dict, stream: JobStream) -> dict:
             "prompt_tokens": result.usage.prompt_tokens,
             "cached_context": result.usage.cached_from_context,
             "cached_store": result.usage.cached_from_store,
+            "restore_choice": result.restore_choice,
             "completion_tokens": result.usage.completion_tokens,
             "ttft_s": round(result.timings.first_token_s, 4),
             "total_s": round(result.timings.total_s, 4),

@@ -13,7 +13,10 @@ with the local chunks and restored in one go. The last two prompt tokens are nev
 
 When another worker is evaluating chunks of the same prompt right now, `coalesce`
 waits for it to publish them rather than evaluating them too (`worker.leases`), then
-finds the prefix again; it leases the chunks it will evaluate itself.
+finds the prefix again; it leases the chunks it will evaluate itself. `find` does all
+of it for a job: whether to restore what the store holds is decided after each lookup
+(`worker.restore_choice`), but only the last decision is acted on, so a job restores
+once and reports one decision (log `restore.choice`, the metric, its `job.done` line).
 """
 
 from __future__ import annotations
@@ -23,22 +26,22 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import redis
 
-from store.chain import BlobKey, Namespace, PrefixKey, extend_chain, prefix_namespace
+from store.chain import BlobKey, Namespace
 from store.checkpoints import Checkpoints
 from store.errors import StoreError, StoreUnavailable
 from store.store import Fetched, Store
-from store.tails import Hit, common_prefix
+from store.tails import Hit
 from worker import metrics
 from worker.checkpoints import restore_checkpoint
+from worker.held import Held
 from worker.kvchunks import cut_state, head_cells, join_state
 from worker.kvstate import StateFormatError
 from worker.leases import Claim, EvalRate, LeaseOutcome, Leases, leased_by_others
-from worker.llama_state import ContextCache, Llama, StateReadError, StateRestoreError, read_seq_state, restore_seq_state, seq_positions
+from worker.llama_state import ContextCache, Llama, StateReadError, StateRestoreError, read_seq_state, restore_seq_state
 from worker.protocol import StoreStatus
-from worker.restore_choice import Choice, Option, RestoreRate, choose
+from worker.restore_choice import Choice, Decision, Option, RestoreRate, choose
 from worker.siblings import copy_from_sibling
 
 log = logging.getLogger("kvpool.worker")
@@ -55,8 +58,12 @@ class Plan:
     store_tokens: int = 0
     """Leading prompt tokens the store holds, to the token (full chunks and a tail)."""
     store_status: StoreStatus = "ok"
-    choice: Choice | None = None
+    decision: Decision | None = None
     """Restore or evaluate what the store holds past the context (`worker.restore_choice`); None when it holds nothing more."""
+    pending: Hit | None = None
+    """What of the store's hit the decision restores, until `PrefixFinder.find` restores it."""
+    local: int = 0
+    """Leading prompt tokens the context held exactly when the job started."""
     published: bool = False
     claim: Claim | None = None
     """Leases on the chunks this job evaluates, until its publish is over."""
@@ -67,51 +74,13 @@ class Plan:
         """Cells kept; the prompt is evaluated from here."""
         return self.cached_context + self.cached_store
 
+    @property
+    def choice(self) -> Choice | None:
+        return self.decision.choice if self.decision is not None else None
 
-@dataclass
-class Held:
-    """What one sequence's context holds that a job may keep."""
-
-    llm: Llama
-    kv: ContextCache
-    tenant: str | None = None
-    """The tenant whose prompts filled the context: a hit across tenants would leak prompts through timing."""
-    exact_upto: int = 0
-    """Leading cells that hold exactly what a cold evaluation of their tokens would (never one-token decodes)."""
-    _known: tuple[str | None, np.ndarray, list[PrefixKey]] = (None, np.zeros(0, dtype=np.int32), [])
-    """Prefix keys of tokens the context held (`learn`), extended rather than hashed again."""
-
-    def hold(self, tenant: str, n: int) -> None:
-        self.tenant, self.exact_upto = tenant, n
-
-    def forget(self) -> None:
-        """Start the next job from an empty context (after a failure its contents are unknown)."""
-        self.tenant, self.exact_upto = None, 0
-        self.llm.reset()
-
-    def learn(self, tenant: str, tokens: Sequence[int], keys: list[PrefixKey]) -> None:
-        """The prefix keys of ``tokens`` (a job's, checked against its tokens): `prefix_keys` starts from them."""
-        self._known = (tenant, np.asarray(tokens, dtype=np.int32), keys)
-
-    def prefix_keys(self, fingerprint: str, chunk_size: int) -> list[PrefixKey]:
-        """Prefix keys of the full chunks held exactly: only the chunks past what `learn` was told are hashed."""
-        if self.tenant is None or self.exact_upto == 0:
-            return []
-        held = np.asarray(self.llm.input_ids[: min(self.exact_upto, self.llm.n_tokens)], dtype=np.int32)
-        tenant, tokens, keys = self._known
-        same = min(common_prefix(tokens, held), len(keys) * chunk_size) // chunk_size if tenant == self.tenant else 0
-        root = prefix_namespace(fingerprint, chunk_size, self.tenant).key
-        out: list[PrefixKey] = extend_chain(root, keys[:same], held, chunk_size)  # type: ignore[assignment]
-        self._known = (self.tenant, held.copy(), out)
-        return out
-
-    def local_prefix(self, tenant: str, tokens: list[int]) -> int:
-        """How many leading prompt tokens the context holds exactly for ``tenant``; another tenant's context is dropped."""
-        if self.tenant != tenant or not self.kv.prefix_reuse or self.exact_upto == 0:
-            self.forget()
-            return 0
-        n = common_prefix(self.llm.input_ids[: min(self.exact_upto, self.llm.n_tokens)], tokens)
-        return n if window_held(self.llm, self.kv, n) else 0
+    def upto(self, tokens: list[int]) -> int:
+        """Cells kept once the pending restore is made: the prompt is evaluated, and its chunks leased, from here."""
+        return self.start if self.pending is None else max(self.start, min(self.pending.tokens, keepable(tokens)))
 
 
 @dataclass
@@ -141,25 +110,38 @@ class PrefixFinder:
     def kv(self) -> ContextCache:
         return self.held.kv
 
+    def find(self, ns: Namespace, tokens: list[int], keys: list[BlobKey]) -> Plan:
+        """A job's prefix: decide (`prepare`), wait for another worker's publish where one is evaluating (`coalesce`), restore.
+
+        A job that waited looks the store up again and decides again, as the store may hold
+        more by then: the first decision was not acted on (nothing was restored before the
+        wait), and only the one acted on is logged and counted.
+        """
+        plan = self.coalesce(ns, tokens, keys, self.prepare(ns, tokens, keys))
+        if plan.pending is not None:
+            self._restore(ns, tokens, keys, plan.local, plan.pending, plan)
+            plan.pending = None
+        self._report(plan)
+        return plan
+
     def prepare(self, ns: Namespace, tokens: list[int], keys: list[BlobKey]) -> Plan:
-        """Bring the context to the deepest prefix available, locally or from the store.
+        """Find the deepest prefix available, locally or in the store, and decide what of the store's to restore (`Plan.pending`).
 
         The last two prompt tokens are always evaluated, never kept (see `batch_sizes`): the
-        first sampled token then comes out of the same kernels whatever was reused.
+        first sampled token then comes out of the same kernels whatever was reused. A
+        checkpoint (a memory stored whole) is restored here at once: there is nothing to weigh.
         """
         plan = Plan(store_status="ok" if self.store else "disabled")
-        n_local = self.held.local_prefix(ns.tenant_salt, tokens)
+        plan.local = self.held.local_prefix(ns.tenant_salt, tokens)
         if len(self.family) > 1 and self.kv.cuttable and self.restore_enabled:
-            n_local = max(n_local, self._from_sibling(ns.tenant_salt, tokens))
-        plan.cached_context = min(n_local, keepable(tokens))
+            plan.local = max(plan.local, self._from_sibling(ns.tenant_salt, tokens))
+        plan.cached_context = min(plan.local, keepable(tokens))
         if self.checkpoints is not None:
-            self._restore_checkpoint(ns, tokens, keys, n_local, plan)
+            self._restore_checkpoint(ns, tokens, keys, plan.local, plan)
             return plan
         hit = self.store_hit(ns, tokens, keys, plan)
         if hit is not None and min(hit.tokens, keepable(tokens)) > plan.cached_context:
-            worth = self._worth_restoring(tokens, n_local, hit, plan)
-            if worth is not None:
-                self._restore(ns, tokens, keys, n_local, worth, plan)
+            plan.pending = self._worth_restoring(tokens, plan.local, hit, plan)
         return plan
 
     def _from_sibling(self, tenant: str, tokens: list[int]) -> int:
@@ -180,8 +162,18 @@ class PrefixFinder:
             options.append(Option(min(hit.tokens, end), (hit.depth - local) * c + len(hit.tail.tokens)))
         if not options:
             return hit
-        d = choose(options, plan.cached_context, len(tokens), self.restore_rate, self.eval_rate)
-        plan.choice = d.choice
+        d = plan.decision = choose(options, plan.cached_context, len(tokens), self.restore_rate, self.eval_rate)
+        if d.choice == Choice.EVALUATE:
+            return None
+        if d.choice == Choice.PARTIAL and d.upto < min(hit.tokens, end):
+            return Hit(depth=-(-d.upto // c), chunk_size=c)
+        return hit
+
+    def _report(self, plan: Plan) -> None:
+        """Log and count the decision the job acted on, with the rates it was made from."""
+        d = plan.decision
+        if d is None:
+            return
         metrics.RESTORE_CHOICES.labels(**self.labels, choice=d.choice).inc()
         if self.restore_rate.bytes_per_s is not None:
             metrics.RESTORE_RATE.labels(**self.labels).set(self.restore_rate.bytes_per_s)
@@ -191,18 +183,14 @@ class PrefixFinder:
             "restore.choice",
             extra={
                 "choice": str(d.choice),
-                "stored_tokens": hit.tokens,
+                "stored_tokens": plan.store_tokens,
                 "restore_upto": d.upto,
+                "restored_tokens": plan.cached_store,
                 "restore_s": d.restore_s and round(d.restore_s, 4),
                 "evaluate_s": d.evaluate_s and round(d.evaluate_s, 4),
                 "cold_s": d.cold_s and round(d.cold_s, 4),
             },
         )
-        if d.choice == Choice.EVALUATE:
-            return None
-        if d.choice == Choice.PARTIAL and d.upto < min(hit.tokens, end):
-            return Hit(depth=-(-d.upto // c), chunk_size=c)
-        return hit
 
     def coalesce(self, ns: Namespace, tokens: list[int], keys: list[BlobKey], plan: Plan) -> Plan:
         """Lease the chunks this job will evaluate; where another worker is evaluating them, wait for its publish.
@@ -217,7 +205,7 @@ class PrefixFinder:
         if self.leases is None or not self.restore_enabled or self.checkpoints is not None:
             return plan
         c = ns.chunk_size
-        ahead = keys[plan.start // c :]
+        ahead = keys[plan.upto(tokens) // c :]
         try:
             claim, holders = self.leases.claim(ahead)
         except redis.RedisError as e:
@@ -243,7 +231,7 @@ class PrefixFinder:
             plan = self.prepare(ns, tokens, keys)
         plan.timings = {**timings, **plan.timings, "lease_wait": waited}
         try:
-            plan.claim, _ = self.leases.claim(keys[plan.start // c :])
+            plan.claim, _ = self.leases.claim(keys[plan.upto(tokens) // c :])
         except redis.RedisError as e:
             log.warning("lease.claim_failed", extra={"reason": str(e)})
             plan.claim = None
@@ -353,18 +341,6 @@ class PrefixFinder:
         metrics.RESTORE_SECONDS.labels(**self.labels).observe(time.perf_counter() - t1)
         metrics.RESTORE_BYTES.labels(**self.labels).inc(len(payload))
         plan.cached_context, plan.cached_store = 0, n
-
-
-def window_held(llm: Llama, kv: ContextCache, n: int) -> bool:
-    """Whether the context can be cut back to ``n`` cells: a sliding-window cache must still hold the window before ``n``.
-
-    It keeps only the cells a next token may attend to, so after a checkpoint's restore, or
-    once old cells were reused, an earlier position's window is gone (llama-server makes
-    the same test before it reuses a slot).
-    """
-    if kv.n_swa == 0 or n == 0:
-        return True
-    return seq_positions(llm)[0] <= max(0, n - kv.n_swa)
 
 
 def keepable(tokens: list[int]) -> int:

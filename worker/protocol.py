@@ -242,6 +242,11 @@ class JobResult(BaseModel):
     timings: Timings
     worker: str
     store_status: StoreStatus = "ok"
+    restore_choice: str | None = Field(
+        None,
+        description="What the worker did with what the store held past its context (restore, partial, evaluate, unmeasured,"
+        " small: `worker.restore_choice.Choice`); None when the store held nothing more.",
+    )
     stop_sequence: str | None = Field(None, description="The stop string that ended the first choice, if one did.")
     logprobs: list[float] | None = None
     extra_choices: list[ChoiceResult] = Field(default_factory=list, description="Choices 1..n-1 when n > 1.")

@@ -48,6 +48,8 @@ class _Task:
     breakpoints: list[Breakpoint] = field(default_factory=list)
     checkpoints: Mapping[int, Buffer] = field(default_factory=dict)
     """Whole states by chunks covered (`store.checkpoints`), for memories that cannot be cut."""
+    resumed: int = 0
+    """Tokens the job that saved ``checkpoints`` resumed from: the prompt's tail checkpoints before them are superseded."""
     recycle: bool = False
     """``state``'s buffer came from `Publisher.buffer` and goes back once the task is over."""
 
@@ -82,9 +84,15 @@ class Publisher:
         """
         return self._put(_Task(ns, list(tokens), keys, state, on_done, list(breakpoints), recycle=recycle))
 
-    def submit_checkpoints(self, ns: Namespace, tokens: Sequence[int], keys: list[BlobKey], states: Mapping[int, Buffer]) -> bool:
-        """Queue whole-state checkpoints of ``tokens`` (tokens held -> state: on a boundary, or a tail) for publishing; False if dropped."""
-        return self._put(_Task(ns, list(tokens), keys, None, checkpoints=states))
+    def submit_checkpoints(
+        self, ns: Namespace, tokens: Sequence[int], keys: list[BlobKey], states: Mapping[int, Buffer], resumed: int = 0
+    ) -> bool:
+        """Queue whole-state checkpoints of ``tokens`` (tokens held -> state: on a boundary, or a tail) for publishing; False if dropped.
+
+        Once they are stored, the prompt's tail checkpoints that end before ``resumed`` (where
+        the job resumed) are dropped: `store.checkpoints.Checkpoints.supersede`.
+        """
+        return self._put(_Task(ns, list(tokens), keys, None, checkpoints=states, resumed=resumed))
 
     def _put(self, task: _Task) -> bool:
         try:
@@ -146,7 +154,7 @@ class Publisher:
                     return
                 on_done = task.on_done
                 if task.checkpoints:
-                    self._publish_checkpoints(task.ns, task.tokens, task.keys, task.checkpoints)
+                    self._publish_checkpoints(task.ns, task.tokens, task.keys, task.checkpoints, task.resumed)
                 if task.state is not None:
                     self._publish(task.ns, task.tokens, task.keys, task.state)
                 self._keep(task, task.breakpoints)
@@ -208,7 +216,9 @@ class Publisher:
         metrics.PUBLISH_BYTES.labels(**self.labels).inc(sent)
         log.info("publish.done", extra={"chunks": added, "from_chunk": first, "to_chunk": len(keys), "tail": tail_payload is not None})
 
-    def _publish_checkpoints(self, ns: Namespace, tokens: list[int], keys: list[BlobKey], states: Mapping[int, Buffer]) -> None:
+    def _publish_checkpoints(
+        self, ns: Namespace, tokens: list[int], keys: list[BlobKey], states: Mapping[int, Buffer], resumed: int
+    ) -> None:
         t0 = time.perf_counter()
         c = ns.chunk_size
         boundaries = {end // c: bytes(st) for end, st in states.items() if end % c == 0}
@@ -216,7 +226,8 @@ class Publisher:
         for end, st in states.items():
             if end % c:
                 added += self.checkpoints.publish_tail(ns, tokens, keys, end, bytes(st))
+        superseded = self.checkpoints.supersede(ns, tokens, keys, resumed) if resumed and max(states) > resumed else 0
         size = sum(len(st) for st in states.values())
         metrics.PUBLISH_SECONDS.labels(**self.labels).observe(time.perf_counter() - t0)
         metrics.PUBLISH_BYTES.labels(**self.labels).inc(size)
-        log.info("publish.checkpoints", extra={"checkpoints": added, "ends": sorted(states), "bytes": size})
+        log.info("publish.checkpoints", extra={"checkpoints": added, "ends": sorted(states), "bytes": size, "superseded": superseded})

@@ -70,6 +70,7 @@ def job_result(
     *,
     worker: str,
     store_status: StoreStatus,
+    restore_choice: str | None = None,
 ) -> JobResult:
     """The job's answer: its first choice, the others as ``extra_choices``; logprobs where they were asked for."""
     out, want_lp = outs[0], spec.sampling.logprobs is not None
@@ -81,6 +82,7 @@ def job_result(
         timings=timings,
         worker=worker,
         store_status=store_status,
+        restore_choice=restore_choice,
         stop_sequence=out.stop_sequence,
         logprobs=out.logprobs if want_lp else None,
         extra_choices=[

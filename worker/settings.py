@@ -110,8 +110,9 @@ class WorkerSettings(PoolSettings):
     checkpoint_every: int = Field(
         1,
         ge=1,
-        description="For models whose state cannot be cut into chunks (sliding-window, recurrent, hybrid): store the whole "
-        "state at every n-th chunk boundary of a prompt (each checkpoint holds the whole window or recurrent state).",
+        description="For models whose state cannot be cut into chunks (sliding-window, recurrent, hybrid): the unit, in chunks, "
+        "of the boundaries where the whole state is stored: each of the first 8 units, then 4 per doubling of the position "
+        "(each checkpoint holds the whole window or recurrent state), besides the prompt's end and its last message's start.",
     )
     exact_decode: Literal["auto", "single", "pair", "off"] = Field(
         "auto",

@@ -25,18 +25,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import llama_cpp
 import numpy as np
 
 from worker import metrics
+from worker.held import Held
 from worker.kvchunks import cut_cells, join_state
 from worker.llama_state import read_ctx_state, write_ctx_state
 from worker.sequence import SeqView, multi_stream, single_stream
-
-if TYPE_CHECKING:
-    from worker.prefix import Held
 
 log = logging.getLogger("kvpool.worker")
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from store.blob import BlobName
 from store.chain import CHECKPOINT_EXTRA, CacheFormat, Namespace
-from store.checkpoints import Checkpoints, checkpoint_name
+from store.checkpoints import Checkpoints, checkpoint_key, checkpoint_name
 from store.maintenance import QUARANTINE_PREFIX
 from store.store import Store
 from tests.helpers import stored_depth
@@ -138,3 +138,31 @@ def test_a_corrupted_tail_checkpoint_gives_way_to_the_boundary_before_it(store: 
     assert found.tokens == 43 and ck.fetch_found(WHOLE, tokens, keys, found) is None
     assert ck.find(WHOLE, tokens, keys, limit=62).tokens == 24, "the bad tail left the index"
     assert store.backend.get(QUARANTINE_PREFIX + name)
+
+
+def test_a_conversations_older_tail_checkpoints_are_superseded_by_a_turn_that_resumed_past_them(store: Store) -> None:
+    """Turns of one chat resend its history: once a turn that resumed after 45 tokens stored its own end, the tails
+    before 45 go (blob and index, before a boundary checkpoint too), the one it resumed from stays, and so do boundaries
+    and other conversations' tails."""
+    ck = Checkpoints(store)
+    tokens = tokens_for(10)
+    keys = WHOLE.chain(tokens)
+    other = tokens.copy()
+    other[20] += 1  # another conversation, parting from this one in its third chunk
+    other_keys = WHOLE.chain(other)
+    ck.publish(WHOLE, tokens, keys, {2: state(2)})
+    for end in (13, 19, 29, 45, 61):  # 13: before the boundary checkpoint after 16
+        ck.publish_tail(WHOLE, tokens, keys, end, state(end))
+    ck.publish_tail(WHOLE, other, other_keys, 29, state(29))
+    before = store.index.total_bytes()
+    old = [store.index.get(checkpoint_key(WHOLE, tokens, keys, end)) for end in (13, 19, 29)]
+    assert all(old)
+
+    assert ck.supersede(WHOLE, tokens, keys, 45) == 3, "the tails after 13, 19 and 29 tokens"
+    assert ck.missing(WHOLE, tokens, keys, [13, 16, 19, 29, 45, 61]) == [13, 19, 29]
+    assert store.index.total_bytes() == before - sum(e.size for e in old if e is not None)
+    for end in (13, 19, 29):
+        assert not store.backend.exists(str(checkpoint_name(WHOLE, tokens, keys, end))), "the blob is deleted too"
+    assert ck.find(WHOLE, other, other_keys, limit=62).tokens == 29, "another conversation's tail is not this one's to drop"
+    assert ck.find(WHOLE, tokens, keys, limit=50).tokens == 45
+    assert ck.supersede(WHOLE, tokens, keys, 45) == 0

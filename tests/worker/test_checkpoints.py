@@ -8,6 +8,7 @@ any worker resumes from the deepest one on a prompt's chain, answering as a cold
 
 from __future__ import annotations
 
+import math
 import time
 import urllib.request
 from pathlib import Path
@@ -15,14 +16,16 @@ from pathlib import Path
 import llama_cpp
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.pool.procs import free_port
 from store.chain import Namespace
 from store.checkpoints import checkpoint_key, checkpoint_name
 from store.index import RedisIndex
-from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, prompt_text, s3_client
-from worker.checkpoints import WINDOW_ALIGN, aligned, checkpoint_stops
+from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, poll, prompt_text, s3_client
+from worker.checkpoints import STOPS_PER_DOUBLING, WINDOW_ALIGN, aligned, checkpoint_stops, spaced
 from worker.namespace import namespace_for
 
 C = POOL_CHUNK
@@ -175,3 +178,61 @@ def test_checkpoints_are_saved_at_boundaries_where_the_last_message_starts_and_b
     window = checkpoint_stops(0, 700, 256, 1, n_swa=512, hints=[600])
     assert window == [256, 512, 576, 672], "a window model stops where its window starts at a multiple of 32"
     assert all(aligned(s, 512) for s in window)
+
+
+def test_boundary_checkpoints_are_dense_near_the_start_and_geometric_further_out() -> None:
+    assert [d for d in range(1, 70) if spaced(d, 1)] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64]
+    assert [d for d in range(1, 40) if spaced(d, 2)] == [2, 4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32], "in units of `every` chunks"
+    assert len(checkpoint_stops(0, 32 * 1024, 256, 1)) == 24, "a 32k prompt: 23 boundaries and its end (every boundary: 128)"
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(
+    start=st.integers(0, 70_000),
+    length=st.integers(3, 70_000),
+    chunk=st.sampled_from([16, 32, 64, 256, 512]),
+    every=st.integers(1, 4),
+    n_swa=st.sampled_from([0, 512, 4096]),
+    hints=st.lists(st.integers(1, 140_000), max_size=3),
+)
+def test_checkpoint_stops_are_few_in_the_prompt_and_always_reach_its_end(
+    start: int, length: int, chunk: int, every: int, n_swa: int, hints: list[int]
+) -> None:
+    n = start + length
+    stops = checkpoint_stops(start, n, chunk, every, n_swa, hints)
+    assert stops == sorted(set(stops)) and all(start < s <= n - 2 for s in stops), "sorted, within what is evaluated"
+    boundaries = [d * chunk for d in range(start // chunk + 1, (n - 2) // chunk + 1) if spaced(d, every) and aligned(d * chunk, n_swa)]
+    assert set(boundaries) <= set(stops), "the same boundaries whatever the prompt: every worker picks them, lookups find them"
+    chunks = max(2, (n - 2) // (chunk * every))
+    assert len(boundaries) <= STOPS_PER_DOUBLING * (math.log2(chunks) + 2), "logarithmic in the prompt's length"
+    assert len(stops) <= len(boundaries) + len(hints) + 1
+    if not n_swa or chunk > WINDOW_ALIGN:
+        assert all(s % chunk or spaced(s // chunk, every) for s in stops), "an end on a boundary stays a tail, which is superseded"
+    end = n - 2 if not n_swa or n - 2 <= n_swa else n - 2 - (n - 2 - n_swa) % WINDOW_ALIGN  # the end, aligned for a window
+    off = WINDOW_ALIGN + 1 if n_swa else 2  # moved off a boundary not spaced, then kept two tokens from another stop
+    if end - start > off:
+        assert stops and stops[-1] >= end - off, "the newest checkpoint, the next turn's resume point, is always saved"
+
+
+def test_each_turn_of_a_chat_supersedes_the_tail_checkpoints_before_the_one_it_resumed_from(
+    start_worker, redis_url, uncuttable_models
+) -> None:
+    """Three turns, each resending the last prompt and more, on alternate workers: each resumes from the last turn's end;
+    the third, once its own checkpoints are stored, drops the first turn's end (the second's, which it resumed from, stays)."""
+    model = uncuttable_models["tiny-ssm"]
+    start_worker("w1", KVPOOL_MODEL=str(model))
+    start_worker("w2", KVPOOL_MODEL=str(model))
+    client = PoolClient(redis.Redis.from_url(redis_url), model)
+    chat = client.tokens(prompt_text(31, 200))
+    turns = [chat[:n] for n in (110, 170, 230)]  # their ends (108, 168, 228) fall between boundaries: tail checkpoints
+    ends = []
+    for i, prompt in enumerate(turns):
+        r = client.run(prompt, worker="w1" if i % 2 == 0 else "w2")
+        ends.append(checkpoint_stops(0, len(prompt), C, 1)[-1])
+        assert ends[-1] % C, "each turn's end is a tail checkpoint"
+        assert r.usage.cached_from_store == (ends[-2] if i else 0), "each turn resumes from the last one's end"
+        ns, keys = wait_checkpoints(client, prompt, [ends[-1]])
+    index = RedisIndex(client.conn)
+    first, second = (checkpoint_key(ns, turns[2], keys, e) for e in ends[:2])
+    poll(lambda: not index.present([first])[0], "the first turn's end superseded")
+    assert index.present([second]) == [True], "the checkpoint the last turn resumed from stays"

@@ -43,6 +43,7 @@ class Answer:
     tokens: list[int]
     cached_context: int
     cached_store: int
+    restore_choice: str | None = None
 
 
 class Runner:
@@ -71,7 +72,7 @@ class Runner:
         if self.engine.publisher is not None:
             assert self.engine.publisher.wait_idle(), "publishing did not finish"
         assert seen, "no token was generated"
-        return Answer(seen[0], result.tokens, result.usage.cached_from_context, result.usage.cached_from_store)
+        return Answer(seen[0], result.tokens, result.usage.cached_from_context, result.usage.cached_from_store, result.restore_choice)
 
 
 def _settings(redis_url: str, s3: S3Server, bucket: str, **kw: object) -> WorkerSettings:

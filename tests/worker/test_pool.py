@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.pool.s3server import S3Server
 from store.blob import BlobName
 from store.index import RedisIndex
-from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, prompt_text, s3_client, s3_settings
+from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, poll, prompt_text, s3_client, s3_settings
 from worker.client import cancel
 from worker.namespace import namespace_for
 
@@ -42,7 +42,7 @@ def lcp(a: list[int], b: list[int]) -> int:
 
 def test_a_second_worker_restores_what_the_first_published(start_worker, client, cold_llm) -> None:
     start_worker("w1")
-    start_worker("w2")
+    w2 = start_worker("w2")
     prefix = client.tokens(prompt_text(1, 160))
     first_prompt = prefix + client.tokens(" what does the river say")
     first = client.run(first_prompt, worker="w1")
@@ -58,6 +58,9 @@ def test_a_second_worker_restores_what_the_first_published(start_worker, client,
     assert second.usage.evaluated_tokens == len(second_prompt) - second.usage.cached_tokens
     assert second.tokens == cold_greedy(cold_llm, second_prompt, 24)
     assert second.timings.restore_s > 0 and second.timings.fetch_s > 0
+    assert second.restore_choice == "unmeasured", "its first restore: nothing measured yet to weigh it against"
+    done = f"cached_store={second.usage.cached_from_store} restore_choice=unmeasured"
+    poll(lambda: any(" job.done " in line and done in line for line in w2.log().splitlines()), "the decision in w2's job.done line")
 
 
 def test_the_same_worker_reuses_its_own_context_first(start_worker, client, cold_llm) -> None:

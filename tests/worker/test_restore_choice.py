@@ -7,18 +7,21 @@ restores, and both answers have the cold run's bits.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from logging import LogRecord
 from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 from prometheus_client import REGISTRY
 
 from gateway.pool.s3server import S3Server
 from store.store import Store
-from tests.worker.test_invariance import Runner, _settings
+from tests.worker.test_invariance import Answer, Runner, _settings
 from worker.engine import Engine
 from worker.leases import EvalRate
+from worker.protocol import lease_key
 from worker.restore_choice import Choice, Option, RestoreRate, choose
 
 pytestmark = pytest.mark.fp_path  # answers are compared with a cold run, bit for bit
@@ -83,8 +86,6 @@ def test_a_restore_is_measured() -> None:
 
 @pytest.fixture(scope="module")
 def engines(smollm2: Path, redis_server, s3_server: S3Server) -> Iterator[dict[str, Runner]]:
-    import redis
-
     redis.Redis.from_url(redis_server.url).flushall()
     settings = _settings(redis_server.url, s3_server, "kvpool-choice")
     store = Store.open(settings)
@@ -105,6 +106,14 @@ def choices(choice: Choice) -> float:
     return sum(s.value for s in samples if s.name.endswith("_total") and s.labels.get("choice") == choice)
 
 
+def decided(caplog: pytest.LogCaptureFixture, job: Callable[[], Answer]) -> tuple[Answer, list[LogRecord]]:
+    """Run one job; its answer and the ``restore.choice`` lines it logged (and only it)."""
+    caplog.clear()
+    with caplog.at_level("INFO", logger="kvpool.worker"):
+        answer = job()
+    return answer, [r for r in caplog.records if r.getMessage() == "restore.choice"]
+
+
 def test_the_worker_evaluates_when_its_store_is_slow_and_restores_when_it_is_not(
     engines: dict[str, Runner], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -118,19 +127,43 @@ def test_the_worker_evaluates_when_its_store_is_slow_and_restores_when_it_is_not
     chooser.engine.forget_context()
     finder.restore_rate.bytes_per_token, finder.restore_rate.bytes_per_s = 24_000.0, 24_000.0 * 100  # 100 tokens/s
     finder.eval_rate.tokens_per_s = 1000.0
-    evaluated = chooser.ask(prompt)
+    evaluated, said = decided(caplog, lambda: chooser.ask(prompt))
     assert evaluated.cached_store == 0 and evaluated.cached_context == 0
     assert np.array_equal(evaluated.logits, cold.logits) and evaluated.tokens == cold.tokens
+    assert [r.choice for r in said] == ["evaluate"] and evaluated.restore_choice == "evaluate"  # type: ignore[attr-defined]
 
     chooser.engine.forget_context()
     finder.restore_rate.bytes_per_token, finder.restore_rate.bytes_per_s = 24_000.0, 24_000.0 * 100_000  # 100k tokens/s
     finder.eval_rate.tokens_per_s = 1000.0
     before = choices(Choice.RESTORE)
-    with caplog.at_level("INFO", logger="kvpool.worker"):
-        restored = chooser.ask(prompt)
+    restored, said = decided(caplog, lambda: chooser.ask(prompt))
     assert restored.cached_store == len(prompt) - 2
     assert np.array_equal(restored.logits, cold.logits) and restored.tokens == cold.tokens
-    assert choices(Choice.RESTORE) == before + 1
-    said = [r for r in caplog.records if r.getMessage() == "restore.choice"]
-    assert said and said[-1].choice == "restore" and said[-1].restore_upto == len(prompt) - 2  # type: ignore[attr-defined]
+    assert choices(Choice.RESTORE) == before + 1 and restored.restore_choice == "restore"
+    assert [(r.choice, r.restore_upto, r.restored_tokens) for r in said] == [("restore", len(prompt) - 2, len(prompt) - 2)]  # type: ignore[attr-defined]
     assert finder.restore_rate.bytes_per_s < 24_000.0 * 100_000, "the restore just made was measured"
+
+
+def test_a_job_that_waits_for_another_workers_lease_takes_one_decision(
+    engines: dict[str, Runner], caplog: pytest.LogCaptureFixture
+) -> None:
+    """It decides, waits for a chunk another worker holds the lease on, looks the store up again and decides again:
+    only the decision it acts on, the last, is logged, counted and in its result."""
+    cold_engine = engines["cold"].engine
+    prompt = cold_engine.llm.tokenize((Path(__file__).resolve().parents[2] / "README.md").read_bytes(), add_bos=True)[100:800]
+    engines["publisher"].ask(prompt)
+    chooser = engines["chooser"]
+    finder = chooser.engine.finder
+    keys = chooser.engine.namespace("").chain(prompt)
+    chooser.engine.forget_context()
+    finder.restore_rate.bytes_per_token, finder.restore_rate.bytes_per_s = 24_000.0, 24_000.0 * 10  # 10 tokens/s: evaluate
+    finder.eval_rate.tokens_per_s = 50.0  # the wait is bounded by evaluating a chunk here: 5 s
+    conn = redis.Redis.from_url(chooser.engine.settings.redis_url)
+    conn.set(lease_key(keys[0]), "another-worker", px=1500)  # a holder that stopped: its lease lapses in 1.5 s
+    before = choices(Choice.EVALUATE)
+    answer, said = decided(caplog, lambda: chooser.ask(prompt))
+    waits = [r for r in caplog.records if r.getMessage() == "lease.waited"]
+    assert [r.outcome for r in waits] == ["released"], "the job waited for the lease, then looked again"  # type: ignore[attr-defined]
+    assert [r.choice for r in said] == ["evaluate"] and answer.restore_choice == "evaluate"  # type: ignore[attr-defined]
+    assert choices(Choice.EVALUATE) == before + 1
+    assert answer.cached_store == 0
