@@ -215,3 +215,18 @@ def multi_stream(state: bytes | bytearray | memoryview, seq: int, n_streams: int
     if n != 1:
         raise ValueError(f"expected a single-stream state, got {n} streams")
     return bytearray(_HEAD.pack(magic, seq_id, n_streams)) + bytes(state[_HEAD.size :]) + _EMPTY * (n_streams - 1)
+
+
+def restream(blob: bytes | bytearray, src: int, dst: int, n_streams: int) -> bytearray:
+    """Sequence ``src``'s multi-stream state as sequence ``dst``'s: its one stream moved to ``dst``'s place (one copy).
+
+    The cells' sequence ids stay ``src``'s: llama.cpp discards them when it loads a sequence.
+    """
+    magic, seq_id, n = _HEAD.unpack_from(blob, 0)
+    if n != n_streams:
+        raise StateReadError(f"state has {n} streams, the context {n_streams}")
+    head, size = _HEAD.size, len(blob) - _HEAD.size - 4 * (n_streams - 1)
+    out = bytearray(len(blob))  # zeros: every other stream's empty cell count
+    _HEAD.pack_into(out, 0, magic, dst, n_streams)
+    out[head + 4 * dst : head + 4 * dst + size] = memoryview(blob)[head + 4 * src : head + 4 * src + size]
+    return out
