@@ -14,8 +14,14 @@
 #   4. writes OUT_DIR/report.md and each agent's requests.jsonl, and exits non-zero unless every request to the
 #      API was answered 200 and the second session's first request read at least 85% of its prompt from cache.
 #
+# Each session must end on its own: Claude Code's turns are bounded by its --max-turns and each answer by its
+# CLAUDE_CODE_MAX_OUTPUT_TOKENS (a small model may otherwise write until the context is full, which at a few tokens a
+# second outlasts Claude Code's request timeout); the report says how each session ended (its exit status, and 124
+# when the timeout stopped it).
+#
 # Settings: PORT (gateway, default 18000), AGENT_TIMEOUT_S (per session, default 1800), MAX_TURNS (Claude Code's
-# --max-turns, default 3), KEEP_WORK=1 (keep the work directory: request bodies, logs).
+# --max-turns, default 3), MAX_OUTPUT_TOKENS (Claude Code's CLAUDE_CODE_MAX_OUTPUT_TOKENS, default 1024), KEEP_WORK=1
+# (keep the work directory: request bodies, logs).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,6 +30,7 @@ out=${1:-$root/docs/agents-check}
 port=${PORT:-18000}
 timeout_s=${AGENT_TIMEOUT_S:-1800}
 max_turns=${MAX_TURNS:-3}
+max_output=${MAX_OUTPUT_TOKENS:-1024}
 python=$root/.kvpool/venv/bin/python
 kvpool=$root/.kvpool/venv/bin/kvpool
 first_prompts=("Say hello" "List the files in this directory and say what the project is")
@@ -79,20 +86,26 @@ wire_api = "responses"
 env_key = "KVPOOL_API_KEY"
 EOF
 
-mark() { date +%s.%N; }  # when a session starts: its requests arrive after
+mark() { date +%s.%N; }  # when a session starts and ends: its requests arrive between
+session() {  # session AGENT N PROMPT COMMAND...: one session in the project directory, bounded by the timeout
+    local agent=$1 n=$2 prompt=$3 rc=0
+    shift 3
+    say "$agent, session $n: $prompt"
+    printf '%s\n' "$prompt" >"$work/$agent/session$n.prompt"
+    mark >"$work/$agent/session$n.start"
+    (cd "$work/project" && exec timeout "$timeout_s" env "$@") >"$work/$agent/session$n.out" 2>&1 </dev/null || rc=$?
+    mark >"$work/$agent/session$n.end"
+    echo "$rc" >"$work/$agent/session$n.rc"
+    say "$agent, session $n: exited with $rc$([ "$rc" = 124 ] && echo ' (the timeout stopped it)')"
+}
 for i in 0 1; do
-    say "Claude Code, session $((i + 1)): ${first_prompts[$i]}"
-    mark "$work/claude-code" >"$work/claude-code/session$((i + 1)).start"
-    (cd "$work/project" && HOME=$work/home ANTHROPIC_BASE_URL=http://127.0.0.1:$((port + 1)) ANTHROPIC_API_KEY=kvpool \
-        timeout "$timeout_s" "$claude" -p "${first_prompts[$i]}" --model "$name" --max-turns "$max_turns") \
-        >"$work/claude-code/session$((i + 1)).out" 2>&1 || say "Claude Code exited with $? (see report)"
+    session claude-code $((i + 1)) "${first_prompts[$i]}" HOME="$work/home" ANTHROPIC_BASE_URL="http://127.0.0.1:$((port + 1))" \
+        ANTHROPIC_API_KEY=kvpool CLAUDE_CODE_MAX_OUTPUT_TOKENS="$max_output" \
+        "$claude" -p "${first_prompts[$i]}" --model "$name" --max-turns "$max_turns"
 done
 for i in 0 1; do
-    say "Codex, session $((i + 1)): ${first_prompts[$i]}"
-    mark "$work/codex" >"$work/codex/session$((i + 1)).start"
-    (cd "$work/project" && CODEX_HOME=$work/codex-home KVPOOL_API_KEY=kvpool \
-        timeout "$timeout_s" "$codex" exec --skip-git-repo-check "${first_prompts[$i]}" </dev/null) \
-        >"$work/codex/session$((i + 1)).out" 2>&1 || say "Codex exited with $? (see report)"
+    session codex $((i + 1)) "${first_prompts[$i]}" CODEX_HOME="$work/codex-home" KVPOOL_API_KEY=kvpool \
+        "$codex" exec --skip-git-repo-check "${first_prompts[$i]}"
 done
 
 mkdir -p "$out"
