@@ -33,7 +33,11 @@ max_turns=${MAX_TURNS:-3}
 max_output=${MAX_OUTPUT_TOKENS:-1024}
 python=$root/.kvpool/venv/bin/python
 kvpool=$root/.kvpool/venv/bin/kvpool
-first_prompts=("Say hello" "List the files in this directory and say what the project is")
+# Claude Code's sessions are bounded by --max-turns, so they may use tools; Codex has no turn limit and ends a
+# session only on an answer without a tool call, so its prompts ask for one.
+claude_prompts=("Say hello" "List the files in this directory and say what the project is")
+codex_prompts=("Say hello in one short sentence, without running any command or tool"
+    "Say in one short sentence what a README file is for, without running any command or tool")
 work=$(mktemp -d /tmp/kvpool-agents.XXXXXX)
 say() { printf '\033[1m[agents-check]\033[0m %s\n' "$*" >&2; }
 
@@ -99,13 +103,13 @@ session() {  # session AGENT N PROMPT COMMAND...: one session in the project dir
     say "$agent, session $n: exited with $rc$([ "$rc" = 124 ] && echo ' (the timeout stopped it)')"
 }
 for i in 0 1; do
-    session claude-code $((i + 1)) "${first_prompts[$i]}" HOME="$work/home" ANTHROPIC_BASE_URL="http://127.0.0.1:$((port + 1))" \
+    session claude-code $((i + 1)) "${claude_prompts[$i]}" HOME="$work/home" ANTHROPIC_BASE_URL="http://127.0.0.1:$((port + 1))" \
         ANTHROPIC_API_KEY=kvpool CLAUDE_CODE_MAX_OUTPUT_TOKENS="$max_output" \
-        "$claude" -p "${first_prompts[$i]}" --model "$name" --max-turns "$max_turns"
+        "$claude" -p "${claude_prompts[$i]}" --model "$name" --max-turns "$max_turns"
 done
 for i in 0 1; do
-    session codex $((i + 1)) "${first_prompts[$i]}" CODEX_HOME="$work/codex-home" KVPOOL_API_KEY=kvpool \
-        "$codex" exec --skip-git-repo-check "${first_prompts[$i]}"
+    session codex $((i + 1)) "${codex_prompts[$i]}" CODEX_HOME="$work/codex-home" KVPOOL_API_KEY=kvpool \
+        "$codex" exec --skip-git-repo-check "${codex_prompts[$i]}"
 done
 
 mkdir -p "$out"
