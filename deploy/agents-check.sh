@@ -15,9 +15,12 @@
 #      API was answered 200 and the second session's first request read at least 85% of its prompt from cache.
 #
 # Each session must end on its own: Claude Code's turns are bounded by its --max-turns and each answer by its
-# CLAUDE_CODE_MAX_OUTPUT_TOKENS (a small model may otherwise write until the context is full, which at a few tokens a
-# second outlasts Claude Code's request timeout); the report says how each session ended (its exit status, and 124
-# when the timeout stopped it).
+# CLAUDE_CODE_MAX_OUTPUT_TOKENS (a small model may otherwise write until the context is full). Claude Code drops a
+# stream that sends no event for 300 s (the pings a gateway sends meanwhile do not count) and a request without
+# streaming after 600 s, then retries it from the start; a cold 25,000-token prompt takes longer than that on a few
+# busy cores, so CLAUDE_STREAM_IDLE_TIMEOUT_MS and API_TIMEOUT_MS are raised to the session's timeout, and so is
+# Codex's stream_idle_timeout_ms (also 300 s). The report
+# says how each session ended (its exit status, and 124 when the timeout stopped it).
 #
 # Settings: PORT (gateway, default 18000), AGENT_TIMEOUT_S (per session, default 1800), MAX_TURNS (Claude Code's
 # --max-turns, default 3), MAX_OUTPUT_TOKENS (Claude Code's CLAUDE_CODE_MAX_OUTPUT_TOKENS, default 1024), KEEP_WORK=1
@@ -44,8 +47,9 @@ say() { printf '\033[1m[agents-check]\033[0m %s\n' "$*" >&2; }
 [ -x "$kvpool" ] || { say "run 'bash deploy/setup.sh install' first"; exit 1; }
 command -v npm >/dev/null || { say "npm is needed (Node.js 18 or later)"; exit 1; }
 
-pids=()
-cleanup() {
+pids=() proxies=()
+cleanup() {  # the pool stops on Ctrl-C (INT); the proxies, background jobs of this shell, ignore INT: TERM
+    for pid in "${proxies[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
     for pid in "${pids[@]}"; do kill -INT "$pid" 2>/dev/null || true; done
     wait 2>/dev/null || true
     [ "${KEEP_WORK:-}" = 1 ] && say "work directory kept: $work" || rm -rf "$work"
@@ -72,7 +76,7 @@ curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null || { say "the pool did no
 
 proxy() {  # proxy PORT DIR: a recording proxy in front of the gateway
     python3 "$root/deploy/agents_proxy.py" serve --port "$1" --upstream "http://127.0.0.1:$port" --out "$2" &
-    pids+=($!)
+    proxies+=($!)
     for _ in $(seq 50); do curl -s -o /dev/null "http://127.0.0.1:$1/" && return; sleep 0.1; done
 }
 proxy $((port + 1)) "$work/claude-code"
@@ -88,6 +92,7 @@ name = "kvpool"
 base_url = "http://127.0.0.1:$((port + 2))/v1"
 wire_api = "responses"
 env_key = "KVPOOL_API_KEY"
+stream_idle_timeout_ms = $((timeout_s * 1000))
 EOF
 
 mark() { date +%s.%N; }  # when a session starts and ends: its requests arrive between
@@ -105,6 +110,7 @@ session() {  # session AGENT N PROMPT COMMAND...: one session in the project dir
 for i in 0 1; do
     session claude-code $((i + 1)) "${claude_prompts[$i]}" HOME="$work/home" ANTHROPIC_BASE_URL="http://127.0.0.1:$((port + 1))" \
         ANTHROPIC_API_KEY=kvpool CLAUDE_CODE_MAX_OUTPUT_TOKENS="$max_output" \
+        CLAUDE_STREAM_IDLE_TIMEOUT_MS=$((timeout_s * 1000)) API_TIMEOUT_MS=$((timeout_s * 1000)) \
         "$claude" -p "${claude_prompts[$i]}" --model "$name" --max-turns "$max_turns"
 done
 for i in 0 1; do
