@@ -82,6 +82,12 @@ def handler(upstream: str, recorder: Recorder) -> type[BaseHTTPRequestHandler]:
             body = self.rfile.read(int(self.headers.get("content-length") or 0))
             n = recorder.next(body)
             conn = http.client.HTTPConnection(target.hostname, target.port or 80, timeout=3600)
+            try:  # an agent that gives up closes the gateway's connection too: the gateway cancels the job
+                self._relay(conn, body, n, t0, at)
+            finally:
+                conn.close()
+
+        def _relay(self, conn: http.client.HTTPConnection, body: bytes, n: int, t0: float, at: float) -> None:
             headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
             conn.request(self.command, self.path, body=body or None, headers=headers)
             resp = conn.getresponse()
@@ -98,7 +104,6 @@ def handler(upstream: str, recorder: Recorder) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
-            conn.close()
             recorder.line(
                 {
                     "n": n,
