@@ -19,7 +19,9 @@
 # stream that sends no event for 300 s (the pings a gateway sends meanwhile do not count) and a request without
 # streaming after 600 s, then retries it from the start; a cold 25,000-token prompt takes longer than that on a few
 # busy cores, so CLAUDE_STREAM_IDLE_TIMEOUT_MS and API_TIMEOUT_MS are raised to the session's timeout, and so is
-# Codex's stream_idle_timeout_ms (also 300 s). The report
+# Codex's stream_idle_timeout_ms (also 300 s). Claude Code's sub-agents and side requests name its own models
+# (claude-sonnet-5...), which the pool answers 404: its ANTHROPIC_DEFAULT_*_MODEL and CLAUDE_CODE_SUBAGENT_MODEL name
+# the pool's model instead. The report
 # says how each session ended (its exit status, and 124 when the timeout stopped it).
 #
 # Settings: PORT (gateway, default 18000), AGENT_TIMEOUT_S (per session, default 1800), MAX_TURNS (Claude Code's
@@ -111,6 +113,8 @@ for i in 0 1; do
     session claude-code $((i + 1)) "${claude_prompts[$i]}" HOME="$work/home" ANTHROPIC_BASE_URL="http://127.0.0.1:$((port + 1))" \
         ANTHROPIC_API_KEY=kvpool CLAUDE_CODE_MAX_OUTPUT_TOKENS="$max_output" \
         CLAUDE_STREAM_IDLE_TIMEOUT_MS=$((timeout_s * 1000)) API_TIMEOUT_MS=$((timeout_s * 1000)) \
+        ANTHROPIC_DEFAULT_OPUS_MODEL="$name" ANTHROPIC_DEFAULT_SONNET_MODEL="$name" ANTHROPIC_DEFAULT_HAIKU_MODEL="$name" \
+        CLAUDE_CODE_SUBAGENT_MODEL="$name" \
         "$claude" -p "${claude_prompts[$i]}" --model "$name" --max-turns "$max_turns"
 done
 for i in 0 1; do
