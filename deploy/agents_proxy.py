@@ -82,6 +82,12 @@ def handler(upstream: str, recorder: Recorder) -> type[BaseHTTPRequestHandler]:
             body = self.rfile.read(int(self.headers.get("content-length") or 0))
             n = recorder.next(body)
             conn = http.client.HTTPConnection(target.hostname, target.port or 80, timeout=3600)
+            try:  # an agent that gives up closes the gateway's connection too: the gateway cancels the job
+                self._relay(conn, body, n, t0, at)
+            finally:
+                conn.close()
+
+        def _relay(self, conn: http.client.HTTPConnection, body: bytes, n: int, t0: float, at: float) -> None:
             headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
             conn.request(self.command, self.path, body=body or None, headers=headers)
             resp = conn.getresponse()
@@ -98,7 +104,6 @@ def handler(upstream: str, recorder: Recorder) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
-            conn.close()
             recorder.line(
                 {
                     "n": n,
@@ -135,6 +140,24 @@ def tools_in(folder: Path, n: int) -> int:
     return len(tools) if isinstance(tools, list) else 0
 
 
+def sessions(folder: Path, rows: list[dict[str, Any]]) -> list[str]:
+    """How each session ended: its prompt, exit status, length, requests, and the last line it printed."""
+    lines = []
+    for n in (1, 2):
+        try:
+            start, end = (float((folder / f"session{n}.{k}").read_text()) for k in ("start", "end"))
+            rc = int((folder / f"session{n}.rc").read_text())
+        except (OSError, ValueError):
+            continue
+        prompt = (folder / f"session{n}.prompt").read_text().strip() if (folder / f"session{n}.prompt").exists() else ""
+        printed = [x.strip() for x in (folder / f"session{n}.out").read_text(errors="replace").splitlines() if x.strip()]
+        ended = "stopped by the timeout" if rc == 124 else f"exited with {rc}"
+        asked = sum(1 for r in rows if r["method"] == "POST" and start <= r.get("at", 0) <= end)
+        last = printed[-1][:200] if printed else ""
+        lines.append(f"- session {n} ({prompt!r}): {ended} after {end - start:.0f} s, {asked} requests; it printed last: `{last}`")
+    return lines
+
+
 def report(work: Path, out: Path, model: str, versions: list[str]) -> bool:
     """OUT/report.md from each agent's WORK/<agent>/requests.jsonl; whether every agent passed.
 
@@ -167,6 +190,7 @@ def report(work: Path, out: Path, model: str, versions: list[str]) -> bool:
             "",
             f"- requests to the API answered: {len(api)}, with 200: {len(api) - len(bad)}{others}",
             f"- second session's first turn: {read} of {prompt} prompt tokens read from cache ({share:.1%}){first_byte}",
+            *sessions(work / agent, rows),
             "",
             *(f"  - {r['path']} {r['status']}: {(r['error'] or '')[:300]}" for r in bad[:10]),
             "| # | request | status | first byte s | total s | prompt tokens | from cache |",

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from store.clitools import pass_settings
+from worker.models.borrow import read_tokenizer
 from worker.models.packaged import DEFAULT_MODEL, PACKAGED, PackagedModelError, ensure_packaged
 from worker.models.synth import SIZES, make_model, model_filename
 from worker.settings import PoolSettings, WorkerSettings
@@ -89,17 +91,24 @@ def _fetch_url(settings: PoolSettings, url: str, sha256: str | None) -> None:
     default=None,
     help="Output file [default: .kvpool/models/kvpool-{size}-s{seed}.gguf]",
 )
-def make(size: str, seed: int, out: Path | None) -> None:
+@click.option(
+    "--tokenizer-from",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="A GGUF model whose tokenizer and chat template (and vocabulary size) the generated model takes.",
+)
+def make(size: str, seed: int, out: Path | None, tokenizer_from: Path | None) -> None:
     """Write a deterministic random-weight llama GGUF model."""
     path = out if out is not None else DEFAULT_MODEL_DIR / model_filename(size, seed)
     started = time.monotonic()
     try:
-        make_model(size, path, seed)
-    except ModuleNotFoundError as e:
+        make_model(size, path, seed, tokenizer_from)
+    except (ModuleNotFoundError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     elapsed = time.monotonic() - started
     size_mb = path.stat().st_size / 1e6
-    click.echo(f"{path}  {size_mb:.1f} MB  {SIZES[size].n_params:,} parameters  ({elapsed:.1f} s)")
+    spec = SIZES[size] if tokenizer_from is None else replace(SIZES[size], n_vocab=read_tokenizer(tokenizer_from).n_vocab)
+    click.echo(f"{path}  {size_mb:.1f} MB  {spec.n_params:,} parameters  ({elapsed:.1f} s)")
 
 
 @click.command("worker")

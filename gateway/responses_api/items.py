@@ -122,13 +122,19 @@ class OutputBuilder:
         return self._deltas(self._tools.push(text))
 
     def finish(self, status: str) -> list[dict[str, Any]]:
-        """The end of the answer: what was held back, then every open item closed with ``status``."""
-        events = self._deltas(self._tools.flush()) if self._tools is not None else []
+        """The end of the answer: what was held back, then every open item closed with ``status``.
+
+        A call the held-back text ends with is the item the cut fell in when the answer was
+        cut (``status`` ``incomplete``), as an open message is; the calls before it are whole.
+        """
+        held = self._tools.flush() if self._tools is not None else []
+        events = self._deltas(held[:-1]) + self._deltas(held[-1:], status)
         if not self.items:
             events += self._open_message()
         return events + self._close(status)
 
-    def _deltas(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _deltas(self, deltas: list[dict[str, Any]], status: str = "completed") -> list[dict[str, Any]]:
+        """Events for the tool stream's deltas; a call they finish gets ``status``."""
         events: list[dict[str, Any]] = []
         for d in deltas:
             if "content" in d:
@@ -138,7 +144,7 @@ class OutputBuilder:
                 if "id" in call:
                     events += self._close("completed") + self._call_added(call)
                 else:
-                    events += self._call_done(call["function"]["arguments"])
+                    events += self._call_done(call["function"]["arguments"], status)
         return events
 
     def _where(self, item: dict[str, Any]) -> dict[str, Any]:
@@ -194,9 +200,9 @@ class OutputBuilder:
         self.items.append(item)
         return [{"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": dict(item)}]
 
-    def _call_done(self, arguments: str) -> list[dict[str, Any]]:
+    def _call_done(self, arguments: str, status: str) -> list[dict[str, Any]]:
         item = self.items[-1]
-        item["arguments"], item["status"] = arguments, "completed"
+        item["arguments"], item["status"] = arguments, status
         where = self._where(item)
         return [
             {"type": "response.function_call_arguments.delta", **where, "delta": arguments},

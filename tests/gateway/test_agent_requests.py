@@ -2,9 +2,14 @@
 
 Each body (``tests/gateway/agents/``, how they were captured is in its README) is checked
 against the official SDK's request type, sent to a gateway as the agent sent it (only
-the answer's length cut, to keep the test short), and its answer read back through the
-SDK's response types. Then the shapes only Codex sends: ``namespace`` tools, built-in
-tools kvpool cannot run, and a tool output without ``call_id``.
+the model's name and the answer's length changed), and its answer read back through the
+SDK's response types. The replays run on a random-weight model with SmolLM2's tokenizer
+and chat template (`worker.models.borrow`): the gateway renders and tokenizes each
+prompt exactly as for SmolLM2 (its generic tool format included) and a real worker
+evaluates all of it with llama.cpp, in seconds rather than minutes; what is checked is
+the answers' shapes, statuses and cache, not their text. Then the shapes only Codex
+sends, where the text matters, on SmolLM2 itself: ``namespace`` tools, built-in tools
+kvpool cannot run, and a tool output without ``call_id``.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from anthropic.types.beta.message_create_params import MessageCreateParams
 from openai.types.responses.response_create_params import ResponseCreateParams
 from pydantic import TypeAdapter
 
-from tests.helpers import SMOL, Pool, running_pool
+from tests.helpers import SMOL, Pool, private_pool, running_pool
+from worker.models.synth import make_model
 
-pytestmark = pytest.mark.timeout(2400)  # an agent's prompt is 24,000 tokens: minutes of evaluation on a few cores
+pytestmark = pytest.mark.timeout(600)
 AGENTS = Path(__file__).parent / "agents"
 CLAUDE_CODE = AGENTS / "claude-code-2.1.197-first-request.json"
 CODEX = AGENTS / "codex-0.171.0-first-request.json"
@@ -32,20 +38,31 @@ CODEX_AFTER_CALLS = AGENTS / "codex-0.171.0-second-request.json"
 with their namespace, and each output with its ``call_id``."""
 
 
+REPLAY = "SmolLM2-tokenizer.tiny-long"
+"""The replays' model: ``tiny-long`` (one layer of width 64: a 24,000-token prompt evaluates in about ten seconds on two
+cores) speaking SmolLM2's tokenizer and chat template."""
+
+
 @pytest.fixture(scope="module")
-def agents_pool(redis_server, s3_server, smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
-    """SmolLM2 as it ships (its own template: the generic tool format), with a context that holds an agent's prompt."""
+def replay_pool(redis_server, s3_server, smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    """A pool whose prompts are SmolLM2's, token for token, with a context that holds an agent's prompt."""
+    model = make_model("tiny-long", tmp_path_factory.mktemp("models") / f"{REPLAY}.gguf", tokenizer_from=smollm2)
     with running_pool(
         redis_server,
         s3_server,
-        smollm2,
+        model,
         tmp_path_factory.mktemp("agents"),
-        ["smol-1"],
+        ["replay-1"],
         KVPOOL_N_CTX="32768",
-        KVPOOL_N_THREADS="2",  # both cores: the suite runs one test at a time, and this prompt is the suite's longest
-        KVPOOL_REQUEST_TIMEOUT_S="1100",
-        KVPOOL_JOB_TIMEOUT_S="1100",
+        KVPOOL_N_THREADS="2",  # both cores: the suite runs one test at a time, and these prompts are its longest
     ) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def agents_pool(s3_server, smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    """SmolLM2 as it ships (its own template: the generic tool format), on a Redis of its own beside the replays' pool."""
+    with private_pool(s3_server, smollm2, tmp_path_factory.mktemp("smol"), ["smol-1"]) as pool:
         yield pool
 
 
@@ -53,12 +70,12 @@ def events(r: httpx.Response) -> list[dict]:
     return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line[6:] != "[DONE]"]
 
 
-def test_claude_codes_first_request_is_served_as_it_sends_it(agents_pool: Pool) -> None:
+def test_claude_codes_first_request_is_served_as_it_sends_it(replay_pool: Pool) -> None:
     body = json.loads(CLAUDE_CODE.read_text())
     TypeAdapter(MessageCreateParams).validate_python(body)
     assert body["system"][0]["text"].startswith("x-anthropic-billing-header:") and len(body["tools"]) >= 20
-    body = {**body, "model": SMOL, "max_tokens": 4}
-    with httpx.stream("POST", agents_pool.gateway.url + "/v1/messages?beta=true", json=body, headers={"x-api-key": "x"}, timeout=1100) as r:
+    body = {**body, "model": REPLAY, "max_tokens": 4}
+    with httpx.stream("POST", replay_pool.gateway.url + "/v1/messages?beta=true", json=body, headers={"x-api-key": "x"}, timeout=300) as r:
         assert r.status_code == 200, r.read()
         sent = [e for e in events(r) if e["type"] != "ping"]  # pings keep the stream alive; the SDK drops them
     stream = TypeAdapter(list[anthropic.types.RawMessageStreamEvent]).validate_python(sent)
@@ -66,20 +83,20 @@ def test_claude_codes_first_request_is_served_as_it_sends_it(agents_pool: Pool) 
     [delta] = [e for e in stream if e.type == "message_delta"]
     assert delta.delta.stop_reason == "max_tokens" and delta.usage.output_tokens == 4
 
-    again = httpx.post(agents_pool.gateway.url + "/v1/messages?beta=true", json={**body, "stream": False}, timeout=1100)
+    again = httpx.post(replay_pool.gateway.url + "/v1/messages?beta=true", json={**body, "stream": False}, timeout=300)
     message = anthropic.types.Message.model_validate(again.json())
     assert message.usage.cache_read_input_tokens and message.usage.cache_read_input_tokens > 0.9 * (
         message.usage.cache_read_input_tokens + message.usage.input_tokens
     )
 
 
-def test_codexs_first_request_is_served_as_it_sends_it(agents_pool: Pool) -> None:
+def test_codexs_first_request_is_served_as_it_sends_it(replay_pool: Pool) -> None:
     body = json.loads(CODEX.read_text())
     TypeAdapter(ResponseCreateParams).validate_python(body)
     kinds = [t["type"] for t in body["tools"]]
     assert "namespace" in kinds and "web_search" in kinds
-    body = {**body, "model": SMOL, "max_output_tokens": 4}
-    with httpx.stream("POST", agents_pool.gateway.url + "/v1/responses", json=body, timeout=1100) as r:
+    body = {**body, "model": REPLAY, "max_output_tokens": 4}
+    with httpx.stream("POST", replay_pool.gateway.url + "/v1/responses", json=body, timeout=300) as r:
         assert r.status_code == 200, r.read()
         sent = events(r)
     stream = TypeAdapter(list[openai.types.responses.ResponseStreamEvent]).validate_python(sent)
@@ -92,7 +109,7 @@ def test_codexs_first_request_is_served_as_it_sends_it(agents_pool: Pool) -> Non
     TypeAdapter(ResponseCreateParams).validate_python(after)
     assert {i.get("namespace") for i in after["input"] if i["type"] == "function_call"} == {"multi_agent_v1"}
     r = httpx.post(
-        agents_pool.gateway.url + "/v1/responses", json={**after, "model": SMOL, "max_output_tokens": 4, "stream": False}, timeout=1100
+        replay_pool.gateway.url + "/v1/responses", json={**after, "model": REPLAY, "max_output_tokens": 4, "stream": False}, timeout=300
     )
     assert r.status_code == 200, r.text
     usage = openai.types.responses.Response.model_validate(r.json()).usage

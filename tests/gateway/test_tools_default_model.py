@@ -107,6 +107,24 @@ def test_an_answer_cut_by_max_tokens_is_its_text_or_an_unfinished_call_never_the
     assert not [b for b in told_m.content if b.type == "text" and b.text.lstrip().startswith("{")], told_m.content
 
 
+def test_a_responses_call_cut_by_max_output_tokens_is_an_incomplete_item_of_an_incomplete_response(default_pool: Pool) -> None:
+    c = client(default_pool)
+    ask = dict(model=SMOL, input="What is 123456789+987654321?", tools=[ADD], tool_choice="required", temperature=0, max_output_tokens=20)
+    cut = c.responses.create(**ask)  # type: ignore[call-overload]
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    [call] = cut.output
+    assert call.type == "function_call" and call.name == "add" and call.arguments.startswith("{")
+    assert call.status == "incomplete"  # the item the cut fell in, as OpenAI marks it
+    assert [i.status for i in c.responses.retrieve(cut.id).output] == ["incomplete"]
+
+    events = list(c.responses.create(**ask, stream=True))  # type: ignore[call-overload]
+    last = events[-1]
+    assert last.type == "response.incomplete" and last.response.incomplete_details.reason == "max_output_tokens"
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, i.status) for i in done] == [(i.type, i.status) for i in last.response.output] == [("function_call", "incomplete")]
+    assert done[0].arguments == call.arguments
+
+
 def test_parallel_tool_calls_asked_for_gives_a_tool_calls_array(default_pool: Pool) -> None:
     r = client(default_pool).chat.completions.create(
         model=SMOL,

@@ -3,7 +3,9 @@
 (``tiny-swa`` is a ``cohere2`` model, ``tiny-ssm`` a ``mamba`` one and ``tiny-hybrid`` a
 ``jamba`` one, Mamba layers alternating with attention layers, instead: a sliding-window
 cache, a recurrent state and a hybrid memory are the kinds kvpool cannot cut into chunks
-and shares through whole-state checkpoints, so tests can check them.)
+and shares through whole-state checkpoints, so tests can check them. ``tiny-long`` is one
+attention layer of width 64 with a 32k context: given a real model's tokenizer and chat
+template (``tokenizer_from``), it evaluates a coding agent's 24,000-token prompt in seconds.)
 
 The files load in llama.cpp (and llama-cpp-python) like any converted Llama model,
 so workers exercise the real prefill/decode and KV-cache code paths without
@@ -51,6 +53,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from worker.models.borrow import Tokenizer, read_tokenizer
 from worker.models.vocab import Vocab, build_vocab
 
 if TYPE_CHECKING:
@@ -129,6 +132,7 @@ SIZES: dict[str, ModelSpec] = {
     "tiny": _TINY,
     "bench": ModelSpec(name="bench", n_vocab=32000, n_embd=2048, n_layer=22, n_head=32, n_head_kv=4, n_ff=5632, n_ctx_train=4096),
     "tiny-swa": replace(_TINY, name="tiny-swa", block_out_gain=8.0, arch="cohere2"),
+    "tiny-long": replace(_TINY, name="tiny-long", n_embd=64, n_layer=1, n_head=1, n_head_kv=1, n_ff=128, n_ctx_train=32768),
     "tiny-ssm": replace(_TINY, name="tiny-ssm", n_embd=128, n_layer=2, dtype="f32", arch="mamba"),
     "tiny-hybrid": replace(_TINY, name="tiny-hybrid", n_embd=128, n_ff=256, dtype="f32", arch="jamba"),
 }
@@ -267,7 +271,7 @@ def _gguf() -> ModuleType:
     return gguf
 
 
-def _add_metadata(writer: gguf.GGUFWriter, spec: ModelSpec, vocab: Vocab, seed: int) -> None:
+def _add_metadata(writer: gguf.GGUFWriter, spec: ModelSpec, vocab: Vocab | Tokenizer, seed: int) -> None:
     file_type = _gguf().LlamaFileType
     writer.add_name(f"kvpool-{spec.name}")
     writer.add_file_type(file_type.MOSTLY_F16 if spec.dtype == "f16" else file_type.ALL_F32)
@@ -298,7 +302,8 @@ def _add_metadata(writer: gguf.GGUFWriter, spec: ModelSpec, vocab: Vocab, seed: 
         writer.add_logit_scale(1.0)
     else:
         writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
-
+    if isinstance(vocab, Tokenizer):
+        return vocab.write(writer)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(list(vocab.tokens))
     writer.add_token_scores(list(vocab.scores))
@@ -321,15 +326,21 @@ def _resolve(spec: ModelSpec | str) -> ModelSpec:
         raise ValueError(f"unknown model size {spec!r}; known: {', '.join(sorted(SIZES))}") from None
 
 
-def make_model(spec: ModelSpec | str, path: Path, seed: int = 0) -> Path:
-    """Write the model for ``spec`` and ``seed`` to ``path`` atomically and return ``path``."""
+def make_model(spec: ModelSpec | str, path: Path, seed: int = 0, tokenizer_from: Path | None = None) -> Path:
+    """Write the model for ``spec`` and ``seed`` to ``path`` atomically and return ``path``.
+
+    With ``tokenizer_from`` (a GGUF model), the model has that model's tokenizer and chat
+    template (`worker.models.borrow`) instead of the generated ones, and its vocabulary size.
+    """
     spec = _resolve(spec)
     if seed < 0:
         raise ValueError(f"seed must be non-negative, not {seed}")
     writers = _gguf()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    vocab = build_vocab(spec.n_vocab)
+    vocab: Vocab | Tokenizer = build_vocab(spec.n_vocab) if tokenizer_from is None else read_tokenizer(tokenizer_from)
+    if isinstance(vocab, Tokenizer):
+        spec = replace(spec, n_vocab=vocab.n_vocab)
     plan = _tensor_plan(spec)
 
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

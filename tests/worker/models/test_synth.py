@@ -236,3 +236,26 @@ def test_cli_make_writes_model_and_reports_it(tmp_path: Path) -> None:
     assert out.read_bytes() == make_model("tiny", tmp_path / "direct.gguf", seed=5).read_bytes()
     assert str(out) in result.output
     assert "MB" in result.output and f"{SIZES['tiny'].n_params:,}" in result.output
+
+
+def test_a_model_with_another_models_tokenizer_reads_prompts_token_for_token_as_that_model(tmp_path: Path, smollm2: Path) -> None:
+    out = tmp_path / "like.gguf"
+    result = CliRunner().invoke(model_group, ["make", "--size", "tiny-long", "--tokenizer-from", str(smollm2), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    real = llama_cpp.Llama(model_path=str(smollm2), vocab_only=True, verbose=False)
+    like = llama_cpp.Llama(model_path=str(out), n_ctx=64, verbose=False)
+    assert (
+        like.n_vocab() == real.n_vocab() == 49152
+        and f"{dataclasses.replace(SIZES['tiny-long'], n_vocab=49152).n_params:,}" in result.output
+    )
+    assert like.metadata["tokenizer.chat_template"] == real.metadata["tokenizer.chat_template"]
+    for text in [*ROUND_TRIP_TEXTS, '<|im_start|>assistant\n{"tool_call": {}}<|im_end|>']:
+        assert like.tokenize(text.encode(), add_bos=False, special=True) == real.tokenize(text.encode(), add_bos=False, special=True)
+    fields = gguf.GGUFReader(out).fields
+    assert [int(fields[f"llama.{k}"].contents()) for k in ("block_count", "embedding_length", "context_length")] == [1, 64, 32768]
+    assert len(like.tokenize(b"hi")) and np.isfinite(_last_logits(like, like.tokenize(b"Hello world"))).all()
+
+    not_a_model = tmp_path / "notes.gguf"
+    not_a_model.write_text("hello")
+    refused = CliRunner().invoke(model_group, ["make", "--tokenizer-from", str(not_a_model), "--out", str(tmp_path / "x.gguf")])
+    assert refused.exit_code == 1 and "GGUF magic invalid" in refused.output and not (tmp_path / "x.gguf").exists()
