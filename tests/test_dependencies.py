@@ -3,7 +3,7 @@
 Every third-party module imported by ``gateway/``, ``worker/`` or ``store/`` is a runtime
 dependency, except in the tools a worker or gateway never loads: the pool tools
 (``gateway/pool/``: the ``pool`` extra, and ``bench`` for the benchmarks) and the generated
-models (``worker/models/synth.py``: the ``synth`` extra). A runtime module may reach those
+models (``worker/models/synth.py`` and the tokenizer it may borrow, ``borrow.py``: the ``synth`` extra). A runtime module may reach those
 only through an import inside a function, so that ``kvpool worker`` or ``kvpool gateway``
 starts without any extra installed. Imports are read statically, as in test_architecture.
 """
@@ -42,7 +42,7 @@ def extra_of(module: str) -> str | None:
         return "bench"
     if module == "gateway.pool" or module.startswith("gateway.pool."):
         return "pool"
-    if module == "worker.models.synth":
+    if module in ("worker.models.synth", "worker.models.borrow"):
         return "synth"
     return None
 
