@@ -39,8 +39,8 @@ import numpy as np
 
 from worker.llama_state import Llama, evaluate_prompt, last_logits
 
-CHECK_PROMPT = 40
-CHECK_STEPS = 6
+CHECK_SEGMENTS = ((24, 10), (16, 10), (16, 10))  # (prompt tokens evaluated, answer tokens decoded), one after another
+Probe = list[tuple[list[int], list[int]]]
 
 
 class DecodeMode(StrEnum):
@@ -97,31 +97,73 @@ def decoded_logits(llm: Llama, prompt: list[int], answer: list[int], mode: Decod
         llm.reset()
 
 
-def _same(llm: Llama, prompt: list[int], answer: list[int], mode: DecodeMode, cold: np.ndarray) -> bool:
+def segment_logits(llm: Llama, probe: Probe, mode: DecodeMode | None) -> list[np.ndarray]:
+    """The last logits at the end of each segment of ``probe``, its prompt pieces evaluated and its answer pieces
+    decoded token by token in ``mode``, one segment after another in one context (None: everything evaluated as
+    prompt, a cold evaluation). Leaves the context empty."""
+    tokens = [t for prompt, answer in probe for t in prompt + answer]
     try:
-        return bool(np.array_equal(decoded_logits(llm, prompt, answer, mode), cold))
+        llm.reset()
+        got, pos = [], 0
+        for prompt, answer in probe:
+            if mode is None:  # prompt batches give every token the same bits whatever the split: this is cold
+                evaluate_prompt(llm, tokens[: pos + len(prompt) + len(answer)], pos)
+            else:
+                evaluate_prompt(llm, tokens[: pos + len(prompt)], pos)
+                for token in answer:
+                    decode_step(llm, token, mode)
+            pos += len(prompt) + len(answer)
+            got.append(last_logits(llm))
+        return got
+    finally:
+        llm.reset()
+
+
+def _same(llm: Llama, probe: Probe, mode: DecodeMode, cold: dict[int, list[np.ndarray]], key: int) -> bool:
+    """Whether ``mode`` gives the cold logits for this probe; the cold ones are computed once per probe, in ``cold``."""
+    if key not in cold:
+        cold[key] = segment_logits(llm, probe, None)
+    try:
+        return all(np.array_equal(got, want) for got, want in zip(segment_logits(llm, probe, mode), cold[key], strict=True))
     except Exception:  # a memory that cannot drop a cell (recurrent) cannot decode in pairs
         return False
 
 
-def choose_mode(llm: Llama, wanted: str, seed: int = 1) -> tuple[DecodeMode, str]:
+def check_probe(llm: Llama, seed: int = 1) -> Probe:
+    """Random tokens in `CHECK_SEGMENTS`: a prompt piece, an answer decoded after it, another prompt piece, and so on.
+
+    Whether a decoded token keeps the cold bits depends on the input as well as the build:
+    on an AVX2 build Gemma 3's single decoding matched a cold evaluation after one random
+    40-token prompt and 6 steps, the one probe the check once ran, and differed at the
+    first to eighth step after nine others, so the worker decoded inexactly. Thirty steps
+    at three depths, each end compared, catch what one short probe let through, for about
+    the cost of that one probe.
+    """
+    rng = np.random.default_rng(seed)
+    probe: Probe = []
+    for n_prompt, n_answer in CHECK_SEGMENTS:
+        tokens = [int(t) for t in rng.integers(3, llm.n_vocab(), n_prompt + n_answer)]
+        probe.append((tokens[:n_prompt], tokens[n_prompt:]))
+    return probe
+
+
+def choose_mode(llm: Llama, wanted: str, probes: list[Probe] | None = None) -> tuple[DecodeMode, str]:
     """The cheapest exact mode this model and build allow (``wanted`` ``auto``), or ``wanted`` if it proves exact.
 
-    A mode is exact when the logits after a prompt and then an answer decoded in it are the
-    bits of a cold evaluation of both: every cell the answer's tokens left (and every one
-    before them) enters those logits. Random tokens, so that the check depends on nothing
+    A mode is exact when, for every probe (by default `check_probe`'s one), the logits at
+    the end of each of its segments, answers decoded in that mode, are the bits of a cold
+    evaluation of everything up to there: every cell a decoded token left (and every one
+    before it) enters those logits. Random tokens, so that the check depends on nothing
     but the model and build. Returns the mode and why; a mode that fails falls back to
     `DecodeMode.SETTLE`.
     """
     if wanted == "off":
         return DecodeMode.SETTLE, "exact decoding turned off (KVPOOL_EXACT_DECODE=off)"
-    rng = np.random.default_rng(seed)
-    tokens = [int(t) for t in rng.integers(3, llm.n_vocab(), CHECK_PROMPT + CHECK_STEPS)]
-    prompt, answer = tokens[:CHECK_PROMPT], tokens[CHECK_PROMPT:]
-    cold = decoded_logits(llm, prompt, answer, None)
+    probes = probes if probes is not None else [check_probe(llm)]
+    cold: dict[int, list[np.ndarray]] = {}
     failed: list[str] = []
     for mode in [DecodeMode(wanted)] if wanted != "auto" else [DecodeMode.SINGLE, DecodeMode.PAIR]:
-        if _same(llm, prompt, answer, mode, cold):
+        if all(_same(llm, probe, mode, cold, i) for i, probe in enumerate(probes)):
             return mode, f"{mode} decoding matches a cold evaluation" + (f" ({', '.join(failed)} does not)" if failed else "")
         failed.append(str(mode))
     return DecodeMode.SETTLE, f"no exact decoding on this build and layout ({', '.join(failed)} differs from a cold evaluation)"
