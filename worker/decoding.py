@@ -137,11 +137,15 @@ def check_probe(llm: Llama, seed: int = 1) -> Probe:
     40-token prompt and 6 steps, the one probe the check once ran, and differed at the
     first to eighth step after nine others, so the worker decoded inexactly. Thirty steps
     at three depths, each end compared, catch what one short probe let through, for about
-    the cost of that one probe.
+    the cost of that one probe. A context too small for all three segments gets those that fit.
     """
     rng = np.random.default_rng(seed)
+    room = min(llm.n_ctx(), len(llm.input_ids))  # llama.cpp may round the context up; the token buffer is what fits
+    sizes = [(p, a) for i, (p, a) in enumerate(CHECK_SEGMENTS) if sum(map(sum, CHECK_SEGMENTS[: i + 1])) <= room]
+    if not sizes:  # a context smaller than the first segment: as much of one as fits
+        sizes = [(max(2, room // 2), max(1, room - max(2, room // 2)))]
     probe: Probe = []
-    for n_prompt, n_answer in CHECK_SEGMENTS:
+    for n_prompt, n_answer in sizes:
         tokens = [int(t) for t in rng.integers(3, llm.n_vocab(), n_prompt + n_answer)]
         probe.append((tokens[:n_prompt], tokens[n_prompt:]))
     return probe
