@@ -84,17 +84,7 @@ def answer_held(llm: Llama, tokens: list[int], generated: list[int]) -> list[int
 def decoded_logits(llm: Llama, prompt: list[int], answer: list[int], mode: DecodeMode | None) -> np.ndarray:
     """The last logits after ``prompt`` is evaluated and ``answer`` decoded token by token in ``mode``
     (None: evaluated with the prompt, as a cold evaluation of both does). Leaves the context empty."""
-    try:
-        llm.reset()
-        if mode is None:
-            evaluate_prompt(llm, prompt + answer, 0)
-            return last_logits(llm)
-        evaluate_prompt(llm, prompt, 0)
-        for token in answer:
-            decode_step(llm, token, mode)
-        return last_logits(llm)
-    finally:
-        llm.reset()
+    return segment_logits(llm, [(prompt, answer)], mode)[-1]
 
 
 def segment_logits(llm: Llama, probe: Probe, mode: DecodeMode | None) -> list[np.ndarray]:
@@ -119,12 +109,9 @@ def segment_logits(llm: Llama, probe: Probe, mode: DecodeMode | None) -> list[np
         llm.reset()
 
 
-def _same(llm: Llama, probe: Probe, mode: DecodeMode, cold: dict[int, list[np.ndarray]], key: int) -> bool:
-    """Whether ``mode`` gives the cold logits for this probe; the cold ones are computed once per probe, in ``cold``."""
-    if key not in cold:
-        cold[key] = segment_logits(llm, probe, None)
+def _same(llm: Llama, probe: Probe, mode: DecodeMode, cold: list[np.ndarray]) -> bool:
     try:
-        return all(np.array_equal(got, want) for got, want in zip(segment_logits(llm, probe, mode), cold[key], strict=True))
+        return all(np.array_equal(got, want) for got, want in zip(segment_logits(llm, probe, mode), cold, strict=True))
     except Exception:  # a memory that cannot drop a cell (recurrent) cannot decode in pairs
         return False
 
@@ -164,10 +151,10 @@ def choose_mode(llm: Llama, wanted: str, probes: list[Probe] | None = None) -> t
     if wanted == "off":
         return DecodeMode.SETTLE, "exact decoding turned off (KVPOOL_EXACT_DECODE=off)"
     probes = probes if probes is not None else [check_probe(llm)]
-    cold: dict[int, list[np.ndarray]] = {}
+    cold = [segment_logits(llm, probe, None) for probe in probes]
     failed: list[str] = []
     for mode in [DecodeMode(wanted)] if wanted != "auto" else [DecodeMode.SINGLE, DecodeMode.PAIR]:
-        if all(_same(llm, probe, mode, cold, i) for i, probe in enumerate(probes)):
+        if all(_same(llm, probe, mode, want) for probe, want in zip(probes, cold, strict=True)):
             return mode, f"{mode} decoding matches a cold evaluation" + (f" ({', '.join(failed)} does not)" if failed else "")
         failed.append(str(mode))
     return DecodeMode.SETTLE, f"no exact decoding on this build and layout ({', '.join(failed)} differs from a cold evaluation)"
