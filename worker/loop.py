@@ -139,6 +139,11 @@ class EngineLoop:
             self._expected.discard(seq)
             self._cv.notify_all()
 
+    def decoding(self, seq: int) -> bool:
+        """Whether a decode request of sequence ``seq`` is in the loop now (for tests)."""
+        with self._cv:
+            return any(r.seq == seq for r in self._queue)
+
     def pending(self) -> int:
         """Decode requests and tasks the loop holds now (for tests and the totals)."""
         with self._cv:
