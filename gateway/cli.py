@@ -24,6 +24,7 @@ _GROUPS = {
     "bench-index": "gateway.pool.bench.index_scale:bench_index_command",
     "bench-resume": "gateway.pool.bench.resume:bench_resume_command",
     "bench-decode": "gateway.pool.bench.decode:bench_decode_command",
+    "bench-overhead": "gateway.pool.bench.overhead:bench_overhead_command",
 }
 EXTRAS = {
     "up": "pool",
@@ -33,6 +34,7 @@ EXTRAS = {
     "bench-index": "bench",
     "bench-resume": "bench",
     "bench-decode": "bench",
+    "bench-overhead": "bench",
 }
 """The pyproject extra each command needs beyond kvpool's own dependencies (the pool tools'; a worker or gateway needs none)."""
 

@@ -236,3 +236,20 @@ def test_bench_decode_measures_each_count_in_a_process_of_its_own_and_reports_ex
     assert [r["sequences"] for r in runs] == [1, 2]
     assert [r["same_as_alone"] for r in runs] == [1, 2], "every sequence's answer is what it decodes alone"
     assert all(r["decode_mode"] in ("single", "pair") and r["tokens_per_s"] > 0 for r in runs)
+
+
+def test_bench_overhead_reports_the_worker_and_the_rest_of_each_request_through_a_real_pool(tiny_model: Path, tmp_path: Path) -> None:
+    """Every request crosses a real gateway, Redis and worker; the worker's own time and the queue wait it reports fit
+    inside the client's wall time, and the first request (which fills the context) is left out of the summary."""
+    out = tmp_path / "overhead.json"
+    args = ["--model", str(tiny_model), "--sequences", "1", "--requests", "4", "--out", str(out)]
+    done = subprocess.run(kvpool_command("bench-overhead", *args), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| 1 | 3 |" in done.stdout, done.stdout
+    report = json.loads(out.read_text())
+    samples = report["samples"]["1"]
+    assert len(samples) == 4
+    assert all(s["worker_s"] > 0 and s["queue_wait_s"] > 0 and s["worker_s"] + s["queue_wait_s"] < s["wall_s"] for s in samples)
+    (run,) = report["runs"]
+    assert run["parallel"] == 1 and run["requests"] == 3
+    assert run["outside_p50_ms"] >= run["queue_wait_p50_ms"] > 0
