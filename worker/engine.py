@@ -32,32 +32,26 @@ ends the usable prefix where it starts, and publish errors are logged and counte
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from store.chain import BlobKey, Namespace, PrefixKey, prefix_chain
-from store.checkpoints import Checkpoints
-from store.fingerprint import fingerprint_file
 from store.store import Store
 from worker import metrics
 from worker.checkpoints import checkpoint_stops, evaluate_saving
-from worker.context import Context
-from worker.decoding import DecodeMode, answer_held, choose_mode, decode_step
+from worker.decoding import answer_held, decode_step
 from worker.errors import JobRejected
 from worker.held import Held
 from worker.kvstate import Buffer
-from worker.leases import EvalRate, Leases
-from worker.llama_state import CACHE_TYPE_NAMES, ContextCache, context_cache, evaluate_prompt, read_seq_state
-from worker.namespace import SHARED_KERNELS, cache_format, kernels_field, worker_kernels
+from worker.leases import Leases
+from worker.llama_state import evaluate_prompt, read_seq_state
+from worker.loaded import LoadedModel
 from worker.prefix import Plan, PrefixFinder
 from worker.protocol import Breakpoint, JobResult, JobSpec, Timings, TokenEvent, Usage
-from worker.publisher import Publisher
 from worker.sampling import Output, job_result, sample_choices
 from worker.scoring import score_prompt
-from worker.selfcheck import startup_verdict
 from worker.sequence import SeqView
 from worker.settings import WorkerSettings
 from worker.settle import settle
@@ -69,54 +63,43 @@ Emit = Callable[[TokenEvent], bool]
 
 
 class Engine:
-    def __init__(self, settings: WorkerSettings, model_path: Path, *, store: Store | None, name: str) -> None:
-        self.settings = settings
-        self.name = name
-        self.store = store
-        self.model_path = model_path
-        self.fingerprint = fingerprint_file(model_path)
-        self.context = Context(settings, model_path)
-        llm = self.context.sequence(0)
-        self.owner = True
-        """This engine opened the context and closes it (the other sequences' engines share it: `for_sequence`)."""
-        self.kv: ContextCache = context_cache(llm)
-        self.held = Held(llm, self.kv)
-        self.kernels = worker_kernels(settings)
-        self.layout = cache_format(
-            CACHE_TYPE_NAMES.get(self.kv.type_k, str(self.kv.type_k)),
-            CACHE_TYPE_NAMES.get(self.kv.type_v, str(self.kv.type_v)),
-            self.kv.flash_attn,
-            kernels_field(self.kernels, settings.share_across_kernels),
-            checkpoints=self.kv.checkpoints,
-        )
-        self.labels = {"model": Path(model_path).name, "layout": self.layout.canonical()}
-        if store is not None:  # what `kvpool store stats` says of the namespaces this worker publishes to
-            store.about = {"kernels": SHARED_KERNELS if settings.share_across_kernels else self.kernels.canonical()}
+    """The engine of sequence ``seq`` of a loaded model's context (`worker.loaded.LoadedModel`).
+
+    The model, its layout and verdicts, the publisher and the evaluation rate are the
+    loaded model's, shared by its sequences' engines; the sequence's cells (`Held`), its
+    leases and its pending publishes are this engine's own.
+    """
+
+    def __init__(self, loaded: LoadedModel, seq: int, name: str) -> None:
+        self.loaded, self.name = loaded, name
+        self.settings, self.store, self.fingerprint = loaded.settings, loaded.store, loaded.fingerprint
+        self.kv, self.kernels, self.layout, self.labels = loaded.kv, loaded.kernels, loaded.layout, loaded.labels
+        self.restore_enabled, self.exact, self.checkpoints = loaded.restore_enabled, loaded.exact, loaded.checkpoints
+        self.decode, self.publisher, self.eval_rate = loaded.decode, loaded.publisher, loaded.eval_rate
+        self.family, self.sequences = loaded.family, loaded.sequences
+        self.owner = seq == 0
+        """This engine stops the loop and frees the context at `close` (sequence 0's; the others share them)."""
+        self.held = Held(loaded.context.sequence(seq), self.kv)
+        self.family.append(self.held)
+        self.sequences.add(name)
         self._pending: tuple[Namespace, list[int], list[BlobKey], list[int]] | None = None
         """The last job's prompt, its keys and its answer, until the answer is published."""
         self._deferred: tuple[Namespace, list[int], list[BlobKey]] | None = None
-        verdict = startup_verdict(self.llm, self.kv, settings, store=store is not None, shared=settings.parallel > 1)
-        self.restore_enabled, self.exact = verdict.restore, verdict.exact
-        self.checkpoints = Checkpoints(store) if verdict.checkpoints and store is not None else None
-        """Set when this model's state is stored whole at chunk boundaries (`worker.checkpoints`), not cut into cells."""
-        self.decode, why = (
-            choose_mode(self.llm, settings.exact_decode) if self.kv.prefix_reuse else (DecodeMode.SETTLE, str(self.kv.reason))
-        )
-        log.log(logging.INFO if self.decode.exact else logging.WARNING, "decode.mode", extra={"mode": str(self.decode), "detail": why})
-        metrics.RESTORE_ENABLED.labels(**self.labels).set(int(self.restore_enabled))
-        metrics.EXACT.labels(**self.labels).set(int(self.exact))
-        metrics.INFO.info({**self.labels, **self.identity(), "restore": str(self.restore_enabled).lower(), "worker": name})
-        self.publisher = Publisher(store, settings.publish_queue, self.labels) if store and settings.publish else None
-        self.eval_rate = EvalRate()
-        self.family: list[Held] = [self.held]  # what each sequence of the context holds, shared (`for_sequence` adds each)
-        self.sequences: set[str] = {name}
-        """The names of the sequences of this context, shared by their engines (`for_sequence` adds each)."""
-        self.leases = (
+        store, settings = self.store, self.settings
+        self.leases = (  # a lease names the sequence holding it
             Leases(store.index.r, name, settings.lease_s, settings.lease_wait_min_s)
             if store is not None and self.publisher and settings.coalesce
             else None
         )
         self.finder = self._finder()
+        self.forget_context()
+        if self.owner:
+            metrics.INFO.info({**self.labels, **self.identity(), "restore": str(self.restore_enabled).lower(), "worker": name})
+
+    @classmethod
+    def open(cls, settings: WorkerSettings, model_path: Path, *, store: Store | None, name: str) -> Engine:
+        """Load the model (its context of ``settings.parallel`` sequences, the start-up checks) and return sequence 0's engine."""
+        return cls(LoadedModel(settings, model_path, store=store), 0, name)
 
     def _finder(self) -> PrefixFinder:
         return PrefixFinder(
@@ -163,30 +146,17 @@ class Engine:
         self.held.forget()
 
     def for_sequence(self, seq: int, name: str) -> Engine:
-        """The engine of another sequence of this engine's shared context (`worker.context`): model, store, publisher,
-        leases and start-up verdicts shared, the sequence's cells and pending publishes its own."""
-        other = copy.copy(self)
-        other.held = Held(self.context.sequence(seq), self.kv)
-        self.family.append(other.held)
-        other.name, other.owner, other._pending, other._deferred = name, False, None, None
-        self.sequences.add(name)
-        if self.leases is not None and self.store is not None:  # a lease names the sequence holding it
-            other.leases = Leases(self.store.index.r, name, self.settings.lease_s, self.settings.lease_wait_min_s)
-        other.finder = other._finder()
-        other.forget_context()
-        return other
+        """The engine of another sequence of this engine's context (`worker.context`)."""
+        return Engine(self.loaded, seq, name)
 
     def close(self) -> None:
-        if not self.owner:
-            if self.leases is not None:
-                self.leases.close()
-            return
-        self.context.loop.close()  # every sequence's job still waiting on the loop fails
-        if self.publisher is not None:
-            self.publisher.close()
+        """Sequence 0's engine stops the loop and the publisher, and frees the context; every engine closes its leases."""
+        if self.owner:
+            self.loaded.stop()
         if self.leases is not None:
             self.leases.close()
-        self.context.close()
+        if self.owner:
+            self.loaded.context.close()
 
     # -- a job -------------------------------------------------------------------
 

@@ -109,7 +109,7 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
         log.info("worker.stopped", extra={"phase": "starting", "redis": "unreachable"})
         return
     supervisor = Supervisor(on_death=lambda thread: _stop_for_good(health, thread))
-    engines[0].context.loop.on_death = supervisor.died
+    engines[0].loaded.context.loop.on_death = supervisor.died
     others = [
         supervisor.thread(partial(_serve, settings, w, e, None, burst), f"kvpool-{w.name}")
         for w, e in zip(workers[1:], engines[1:], strict=True)
@@ -151,7 +151,7 @@ def _start(settings: WorkerSettings, health: Health) -> tuple[list[KvpoolWorker]
             "parallel": settings.parallel,
         },
     )
-    engine = Engine(settings, resolve_model(settings), store=open_store(settings), name=names[0])
+    engine = Engine.open(settings, resolve_model(settings), store=open_store(settings), name=names[0])
     engines = [engine, *(engine.for_sequence(seq, name) for seq, name in enumerate(names[1:], start=1))]
     metrics.BUSY.labels(**engine.labels).set(0)
     outcome, passed = self_check_outcome(

@@ -44,7 +44,7 @@ pytestmark = pytest.mark.fp_path
 @pytest.fixture(scope="module")
 def engines(smollm2: Path) -> Iterator[list[Engine]]:
     settings = WorkerSettings(chunk_size=CHUNK, n_ctx=N_CTX, n_threads=2, parallel=2)
-    engine = Engine(settings, smollm2, store=None, name="a.0")
+    engine = Engine.open(settings, smollm2, store=None, name="a.0")
     yield [engine, engine.for_sequence(1, "a.1")]
     engine.close()
 
@@ -81,7 +81,7 @@ def cold_answer(cold: llama_cpp.Llama, tokens: list[int], n: int = 8) -> tuple[n
 
 
 def prompt_tokens_decoded(engine: Engine) -> int:
-    totals = engine.context.loop.totals
+    totals = engine.loaded.context.loop.totals
     return sum(totals[k].tokens for k in (CallKind.PROMPT, CallKind.MIXED) if k in totals)
 
 
@@ -117,7 +117,7 @@ def test_a_client_that_leaves_during_a_3000_token_prompt_frees_the_sequence_with
     engines: list[Engine], cold: llama_cpp.Llama
 ) -> None:
     engine, other = engines
-    loop = engine.context.loop
+    loop = engine.loaded.context.loop
     long = prompt(cold, 1, 3000)
     gone = threading.Event()
     dropped = loop.dropped
@@ -147,7 +147,7 @@ def test_a_job_timed_out_mid_prompt_in_its_own_thread_leaves_nothing_in_the_loop
     engines: list[Engine], cold: llama_cpp.Llama
 ) -> None:
     engine, other = engines
-    loop = engine.context.loop
+    loop = engine.loaded.context.loop
     long = prompt(cold, 4, 1000)
     neighbour = prompt(cold, 5, 200)
     dropped = loop.dropped
@@ -179,7 +179,7 @@ def test_a_job_timed_out_by_sigalrm_in_the_main_thread_is_dropped_and_its_retry_
     engines: list[Engine], cold: llama_cpp.Llama
 ) -> None:
     engine, _ = engines
-    loop = engine.context.loop
+    loop = engine.loaded.context.loop
     long = prompt(cold, 6, 1000)
     dropped = loop.dropped
     with pytest.raises(JobTimeoutException):

@@ -105,7 +105,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, smoll
     with RedisServer(tmp_path_factory.mktemp("redis-batched")) as server:
         base = s3_settings(s3_server.endpoint_url, f"kvpool-batched-{uuid.uuid4().hex[:8]}", server.url)
         settings = WorkerSettings(**{**base.model_dump(), "chunk_size": CHUNK, "n_ctx": 1024, "n_threads": 2, "parallel": P})
-        engine = Engine(settings, smollm2, store=Store.open(settings), name="b.0")
+        engine = Engine.open(settings, smollm2, store=Store.open(settings), name="b.0")
         yield [engine, *(engine.for_sequence(i, f"b.{i}") for i in range(1, P))]
         engine.close()
 
@@ -267,9 +267,9 @@ def test_each_sequence_is_a_routable_worker(start_worker, client: PoolClient, co
 
 def test_closing_the_engines_of_a_shared_context_frees_it(tiny_model: Path) -> None:
     settings = WorkerSettings(chunk_size=CHUNK, n_ctx=256, n_threads=1, parallel=2)
-    engine = Engine(settings, tiny_model, store=None, name="c.0")
+    engine = Engine.open(settings, tiny_model, store=None, name="c.0")
     other = engine.for_sequence(1, "c.1")
-    shared = engine.context.llm
+    shared = engine.loaded.context.llm
     other.close()
     engine.close()
     assert shared._ctx.ctx is None, "the llama.cpp context of the sequences is freed"

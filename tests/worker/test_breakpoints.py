@@ -24,7 +24,7 @@ CHUNK = 8
 @pytest.fixture
 def engine(tiny_model: Path, redis_url: str, tmp_path: Path) -> Iterator[Engine]:
     store = Store(FsBackend(tmp_path / "blobs"), RedisIndex.from_url(redis_url))
-    e = Engine(WorkerSettings(chunk_size=CHUNK, n_ctx=512, n_threads=1, self_check=False), tiny_model, store=store, name="bp")
+    e = Engine.open(WorkerSettings(chunk_size=CHUNK, n_ctx=512, n_threads=1, self_check=False), tiny_model, store=store, name="bp")
     yield e
     e.close()
     store.close()

@@ -28,7 +28,7 @@ CHUNK = 64
 @pytest.fixture(scope="module")
 def engines(smollm2: Path) -> Iterator[dict[str, Engine]]:
     settings = WorkerSettings(chunk_size=CHUNK, n_ctx=2048, n_threads=2, publish=False, self_check=False, settle_completions=False)
-    made = {name: Engine(settings, smollm2, store=None, name=name) for name in ("many", "cold")}
+    made = {name: Engine.open(settings, smollm2, store=None, name=name) for name in ("many", "cold")}
     yield made
     for e in made.values():
         e.close()

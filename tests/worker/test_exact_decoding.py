@@ -129,8 +129,8 @@ def test_the_start_up_check_refuses_what_a_wider_sweep_shows_inexact(gemma3_llm:
 def engines(smollm2: Path) -> Iterator[dict[str, Engine]]:
     base = {"chunk_size": CHUNK, "n_ctx": 2048, "n_threads": 2, "publish": False, "self_check": False, "settle_idle_s": 0.01}
     made = {
-        "exact": Engine(WorkerSettings(**base), smollm2, store=None, name="exact"),
-        "settling": Engine(WorkerSettings(**base, exact_decode="off"), smollm2, store=None, name="settling"),
+        "exact": Engine.open(WorkerSettings(**base), smollm2, store=None, name="exact"),
+        "settling": Engine.open(WorkerSettings(**base, exact_decode="off"), smollm2, store=None, name="settling"),
     }
     yield made
     for e in made.values():

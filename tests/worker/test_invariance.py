@@ -89,9 +89,9 @@ def runners(smollm2: Path, redis_server, s3_server: S3Server) -> Iterator[dict[s
     settings = _settings(redis_server.url, s3_server, "kvpool-invariance")
     store = Store.open(settings)
     engines = {
-        "cold": Engine(_settings(redis_server.url, s3_server, "kvpool-invariance", publish=False), smollm2, store=None, name="cold"),
-        "reuse": Engine(settings, smollm2, store=store, name="reuse"),
-        "restore": Engine(settings, smollm2, store=store, name="restore"),
+        "cold": Engine.open(_settings(redis_server.url, s3_server, "kvpool-invariance", publish=False), smollm2, store=None, name="cold"),
+        "reuse": Engine.open(settings, smollm2, store=store, name="reuse"),
+        "restore": Engine.open(settings, smollm2, store=store, name="restore"),
     }
     yield {name: Runner(e) for name, e in engines.items()}
     for e in engines.values():

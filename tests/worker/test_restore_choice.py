@@ -90,9 +90,9 @@ def engines(smollm2: Path, redis_server, s3_server: S3Server) -> Iterator[dict[s
     settings = _settings(redis_server.url, s3_server, "kvpool-choice")
     store = Store.open(settings)
     built = {
-        "cold": Engine(_settings(redis_server.url, s3_server, "kvpool-choice", publish=False), smollm2, store=None, name="cold"),
-        "publisher": Engine(settings, smollm2, store=store, name="publisher"),
-        "chooser": Engine(settings, smollm2, store=store, name="chooser"),
+        "cold": Engine.open(_settings(redis_server.url, s3_server, "kvpool-choice", publish=False), smollm2, store=None, name="cold"),
+        "publisher": Engine.open(settings, smollm2, store=store, name="publisher"),
+        "chooser": Engine.open(settings, smollm2, store=store, name="chooser"),
     }
     yield {name: Runner(e) for name, e in built.items()}
     for e in built.values():

@@ -41,7 +41,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, smoll
     with RedisServer(tmp_path_factory.mktemp("redis-siblings")) as server:
         base = s3_settings(s3_server.endpoint_url, f"kvpool-siblings-{uuid.uuid4().hex[:8]}", server.url)
         settings = WorkerSettings(**{**base.model_dump(), "chunk_size": CHUNK, "n_ctx": 2048, "n_threads": 2, "parallel": 2})
-        engine = Engine(settings, smollm2, store=Store.open(settings), name="s.0")
+        engine = Engine.open(settings, smollm2, store=Store.open(settings), name="s.0")
         yield [engine, engine.for_sequence(1, "s.1")]
         engine.close()
 

@@ -19,7 +19,7 @@ from worker.settings import WorkerSettings
 
 @pytest.mark.parametrize(("env", "threads", "batch"), [({"n_threads": 1}, 1, 1), ({"n_threads": 1, "n_threads_batch": 2}, 1, 2)])
 def test_prompt_threads_follow_the_settings(tiny_model: Path, env: dict[str, int], threads: int, batch: int) -> None:
-    engine = Engine(WorkerSettings(publish=False, self_check=False, **env), tiny_model, store=None, name="t")
+    engine = Engine.open(WorkerSettings(publish=False, self_check=False, **env), tiny_model, store=None, name="t")
     try:
         params = engine.llm.context_params
         assert (params.n_threads, params.n_threads_batch) == (threads, batch)

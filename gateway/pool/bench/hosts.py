@@ -95,9 +95,9 @@ def main(model: Path, lengths: str, salt: str) -> None:
     settings = WorkerSettings(n_ctx=max(ns) + 64, chunk_size=256, n_batch=512, settle_idle_s=0.01)
     store = Store.open(settings)
     engines = {
-        "cold": Engine(settings.model_copy(update={"publish": False}), model, store=None, name="cold"),
-        "publisher": Engine(settings, model, store=store, name="publisher"),
-        "chooser": Engine(settings, model, store=store, name="chooser"),
+        "cold": Engine.open(settings.model_copy(update={"publish": False}), model, store=None, name="cold"),
+        "publisher": Engine.open(settings, model, store=store, name="publisher"),
+        "chooser": Engine.open(settings, model, store=store, name="chooser"),
     }
     try:
         for n in ns:

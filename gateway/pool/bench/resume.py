@@ -67,9 +67,9 @@ def measure(model: Path, n_tokens: int, threads: int, repeats: int, work: Path) 
         )
         store = Store.open(settings)
         engines = {
-            "cold": Engine(settings.model_copy(update={"publish": False}), model, store=None, name="cold"),
-            "publisher": Engine(settings, model, store=store, name="publisher"),
-            "fresh": Engine(settings, model, store=store, name="fresh"),
+            "cold": Engine.open(settings.model_copy(update={"publish": False}), model, store=None, name="cold"),
+            "publisher": Engine.open(settings, model, store=store, name="publisher"),
+            "fresh": Engine.open(settings, model, store=store, name="fresh"),
         }
         try:
             text = (Path(__file__).resolve().parents[3] / "README.md").read_text() * 4

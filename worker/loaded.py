@@ -1,0 +1,74 @@
+"""A worker process's model, loaded once, and what every sequence's engine shares of it.
+
+`LoadedModel` opens the `worker.context.Context` (the model and the loop that owns its
+llama.cpp context), reads the KV layout and kernels that decide the worker's bits, runs
+the start-up checks (restore and decode mode) once, and holds the publisher, the
+measured evaluation rate and what each sequence holds (`family`). Each sequence then gets
+an engine of its own (`worker.engine.Engine`), built from this object and its sequence
+number: its cells, its leases and its pending publishes are its own; nothing else is
+copied from another engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from store.checkpoints import Checkpoints
+from store.fingerprint import fingerprint_file
+from store.store import Store
+from worker import metrics
+from worker.context import Context
+from worker.decoding import DecodeMode, choose_mode
+from worker.held import Held
+from worker.leases import EvalRate
+from worker.llama_state import CACHE_TYPE_NAMES, ContextCache, context_cache
+from worker.namespace import SHARED_KERNELS, cache_format, kernels_field, worker_kernels
+from worker.publisher import Publisher
+from worker.selfcheck import startup_verdict
+from worker.settings import WorkerSettings
+
+log = logging.getLogger("kvpool.worker")
+
+
+class LoadedModel:
+    """The model, its context and the start-up verdicts, shared by the engines of its sequences."""
+
+    def __init__(self, settings: WorkerSettings, model_path: Path, *, store: Store | None) -> None:
+        self.settings = settings
+        self.store = store
+        self.fingerprint = fingerprint_file(model_path)
+        self.context = Context(settings, model_path)
+        probe = self.context.sequence(0)  # the start-up checks run here; sequence 0's engine starts from it emptied
+        self.kv: ContextCache = context_cache(probe)
+        self.kernels = worker_kernels(settings)
+        self.layout = cache_format(
+            CACHE_TYPE_NAMES.get(self.kv.type_k, str(self.kv.type_k)),
+            CACHE_TYPE_NAMES.get(self.kv.type_v, str(self.kv.type_v)),
+            self.kv.flash_attn,
+            kernels_field(self.kernels, settings.share_across_kernels),
+            checkpoints=self.kv.checkpoints,
+        )
+        self.labels = {"model": Path(model_path).name, "layout": self.layout.canonical()}
+        if store is not None:  # what `kvpool store stats` says of the namespaces this worker publishes to
+            store.about = {"kernels": SHARED_KERNELS if settings.share_across_kernels else self.kernels.canonical()}
+        verdict = startup_verdict(probe, self.kv, settings, store=store is not None, shared=settings.parallel > 1)
+        self.restore_enabled, self.exact = verdict.restore, verdict.exact
+        self.checkpoints = Checkpoints(store) if verdict.checkpoints and store is not None else None
+        """Set when this model's state is stored whole at chunk boundaries (`worker.checkpoints`), not cut into cells."""
+        self.decode, why = choose_mode(probe, settings.exact_decode) if self.kv.prefix_reuse else (DecodeMode.SETTLE, str(self.kv.reason))
+        log.log(logging.INFO if self.decode.exact else logging.WARNING, "decode.mode", extra={"mode": str(self.decode), "detail": why})
+        metrics.RESTORE_ENABLED.labels(**self.labels).set(int(self.restore_enabled))
+        metrics.EXACT.labels(**self.labels).set(int(self.exact))
+        self.publisher = Publisher(store, settings.publish_queue, self.labels) if store and settings.publish else None
+        self.eval_rate = EvalRate()
+        self.family: list[Held] = []
+        """What each sequence of the context holds (each engine adds its own): `worker.siblings` copies from them."""
+        self.sequences: set[str] = set()
+        """The names of the sequences of this context (each engine adds its own)."""
+
+    def stop(self) -> None:
+        """Stop the loop (every sequence's job still waiting on it fails), then the publisher; `Context.close` frees the rest."""
+        self.context.loop.close()
+        if self.publisher is not None:
+            self.publisher.close()
