@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Hosts, simulated: the store (Redis and an S3 server) and a worker in network namespaces of their own,
-# joined by a veth pair whose two ends are rate-limited with tc tbf, at each rate in RATES. On the worker
-# host, `python -m gateway.pool.bench.hosts` measures the time to first token of a prompt evaluated cold,
-# restored from the other host, and as the worker chooses by its own estimates; one JSON line per rate and
-# length goes to OUT. Needs root (ip netns, tc) and the set-up's venv (its weed binary, redis-server).
+# joined by a veth pair whose two ends are rate-limited with tc tbf (deploy/hosts-shape.sh). On the worker
+# host, `python -m gateway.pool.bench.hosts` evaluates each prompt cold and publishes it across the link at
+# PUBLISH_RATE, then, at each rate in RATES, measures the time to first token of the prompt restored from
+# the other host and as the worker chooses by its own estimates; one JSON line per length and rate goes to
+# OUT. Needs root (ip netns, tc) and the set-up's venv (its weed binary, redis-server).
 #
 #   sudo bash deploy/hosts-check.sh                        # SmolLM2, 100 Mbit/s, 1 and 10 Gbit/s, 2k and 8k tokens
 #   RATES="100mbit 1gbit" LENGTHS=2048 bash deploy/hosts-check.sh
 #   MODEL=.kvpool/models/kvpool-bench-s0.gguf bash deploy/hosts-check.sh   # the bench model (kvpool model make --size bench)
+#   PUBLISH_RATE=1gbit RATES="1gbit 4mbit" ...             # published at 1 Gbit/s, restored at 1 Gbit/s and 4 Mbit/s
 #
 # Only the namespaces' own addresses (10.77.0.1 and 10.77.0.2, made here and removed on exit) carry traffic.
 set -euo pipefail
@@ -16,6 +18,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.kvpool/venv}
 MODEL=${MODEL:-.kvpool/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 RATES=${RATES:-"100mbit 1gbit 10gbit"}
+PUBLISH_RATE=${PUBLISH_RATE:-10gbit}
 LENGTHS=${LENGTHS:-2048,8192}
 OUT=${OUT:-/tmp/kvpool-hosts.jsonl}
 STORE_NS=kvh-store WORKER_NS=kvh-worker
@@ -44,15 +47,6 @@ for ns in "$STORE_NS" "$WORKER_NS"; do ip -n "$ns" link set lo up; done
 ip -n "$STORE_NS" link set kvh-s up
 ip -n "$WORKER_NS" link set kvh-w up
 
-shape() {  # both directions at $1 (tbf; a burst of 10 ms at that rate, at least 64 KiB)
-    local bits burst
-    local n=${1%bit}
-    bits=$(numfmt --from=si "${n^^}")
-    burst=$((bits / 8 / 100 > 65536 ? bits / 8 / 100 : 65536))
-    tc -n "$STORE_NS" qdisc replace dev kvh-s root tbf rate "$1" burst "$burst" latency 50ms
-    tc -n "$WORKER_NS" qdisc replace dev kvh-w root tbf rate "$1" burst "$burst" latency 50ms
-}
-
 # The store host: Redis and SeaweedFS's S3 server (its own ports: nothing else listens in this namespace).
 ip netns exec "$STORE_NS" redis-server --bind "$STORE_IP" --port 6379 --protected-mode no --save "" --appendonly no >"$WORK/redis.log" 2>&1 &
 PIDS+=($!)
@@ -77,10 +71,9 @@ export KVPOOL_STORE_URL=s3://kvpool-hosts/chunks KVPOOL_S3_ENDPOINT_URL="http://
 export KVPOOL_S3_ACCESS_KEY_ID=kvpool-hosts KVPOOL_S3_SECRET_ACCESS_KEY=kvpool-hosts-secret
 export KVPOOL_READ_TIMEOUT_S=120 KVPOOL_LOG_LEVEL=WARNING
 : >"$OUT"
-for rate in $RATES; do
-    shape "$rate"
-    echo "== $rate: $(basename "$MODEL"), lengths $LENGTHS" >&2
-    ip netns exec "$WORKER_NS" "$VENV/bin/python" -m gateway.pool.bench.hosts --model "$MODEL" --lengths "$LENGTHS" --salt "$rate" |
-        while read -r line; do echo "{\"rate\": \"$rate\", \"model\": \"$(basename "$MODEL")\", \"result\": $line}"; done | tee -a "$OUT"
-done
+echo "== $(basename "$MODEL"): published at $PUBLISH_RATE, restored at $RATES, lengths $LENGTHS" >&2
+# shellcheck disable=SC2086
+ip netns exec "$WORKER_NS" "$VENV/bin/python" -m gateway.pool.bench.hosts --model "$MODEL" --lengths "$LENGTHS" \
+    --shape deploy/hosts-shape.sh --publish-rate "$PUBLISH_RATE" $(printf -- '--rate %s ' $RATES) --salt "$(date +%s)" |
+    while read -r line; do echo "{\"model\": \"$(basename "$MODEL")\", \"result\": $line}"; done | tee -a "$OUT"
 echo "wrote $OUT" >&2

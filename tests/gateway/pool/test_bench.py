@@ -253,3 +253,22 @@ def test_bench_overhead_reports_the_worker_and_the_rest_of_each_request_through_
     (run,) = report["runs"]
     assert run["parallel"] == 1 and run["requests"] == 3
     assert run["outside_p50_ms"] >= run["queue_wait_p50_ms"] > 0
+
+
+def test_the_hosts_probe_publishes_once_then_restores_and_chooses_at_each_rate(
+    pool_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`deploy/hosts-check.sh`'s probe over a real Redis and S3 (no link shaping here): one JSON line per rate, each
+    restoring what the one publish stored, with the cold run's first token."""
+    from gateway.pool.bench.hosts import main as hosts_probe
+
+    for key, value in pool_env.items():
+        monkeypatch.setenv(key, value)
+    result = CliRunner().invoke(hosts_probe, ["--model", pool_env["KVPOOL_MODEL"], "--lengths", "600", "--rate", "a", "--rate", "b"])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    assert [line["rate"] for line in lines] == ["a", "b"]
+    for line in lines:
+        assert line["same_first_token"], line
+        assert line["cold"]["evaluated"] == 600
+        assert line["restore"]["cached_store"] >= 512, "every whole chunk of the published prompt restored"
