@@ -10,22 +10,29 @@ store, and back in, or evaluate it again. Instead, one task of the engine loop
    cells can change under it: what a sequence holds exactly is the common prefix of the
    prompt and its view's tokens, up to ``Held.exact_upto`` and the view's ``n_tokens``
    (a decode replaces only cells from ``n_tokens`` on), under the same tenant;
-2. it reads the sibling's sequence state, loads it into this sequence (its stream moved
-   to this sequence's place: `worker.sequence.restream`) and removes the cells past
-   ``n``: the cells are the same bytes, and the answer the same bits, as the sibling's,
-   a restore's and a cold evaluation's. Cutting the blob first would parse and copy it
-   several times over (about 2.6 s for 4,000 tokens of SmolLM2, against 0.15 s to read it).
+2. it copies the sibling's stream into this sequence's (``llama_memory_seq_cp`` across
+   streams, applied at once: `copy_stream`) and removes the cells past ``n``: the cells
+   are the same bytes at the same places, and the answer the same bits, as the sibling's,
+   a restore's and a cold evaluation's.
 
-llama.cpp's ``llama_memory_seq_cp`` across streams copies a whole stream and defers the
-copy to the next decode; a task later in the same iteration could then change the source
-first. A copy through host memory, done at once, cannot be overtaken.
+llama.cpp copies a whole stream across streams (one memcpy per layer, about 6 ms for
+SmolLM2's 4,096 cells) but defers the copy to the next ``llama_decode``, and a task later
+in the same iteration could change the source or read the destination first. So the copy
+is applied inside the task, by ``llama_context::memory_update`` (what ``llama_decode``
+calls first; an exported C++ method the C API of this llama.cpp does not wrap). A build
+without it, or a copy that did not apply, goes through host memory instead: the
+sibling's sequence state read, its stream moved to this sequence's place
+(`worker.sequence.restream`) and loaded, 50 to 800 ms for 1,500 to 4,000 tokens
+(``docs/bench/siblings.md``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -38,7 +45,23 @@ from worker.sequence import SeqView, restream
 log = logging.getLogger("kvpool.worker")
 
 MIN_TOKENS = 32
-"""Shorter prefixes are evaluated: the copy's fixed cost (reading the sibling's whole state) would not pay."""
+"""Shorter prefixes are evaluated: a copy's fixed cost would not pay."""
+
+
+def _memory_update() -> Callable[[Any, bool], bool] | None:
+    """``bool llama_context::memory_update(bool optimize)`` of the loaded libllama, or None where it lacks the symbol.
+
+    The mangled name fixes the parameters (a context, a bool); a build whose method has
+    others does not have this symbol, and the copy goes through host memory.
+    """
+    fn = getattr(llama_cpp.llama_cpp._lib, "_ZN13llama_context13memory_updateEb", None)
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_bool], ctypes.c_bool
+    return fn
+
+
+APPLY_UPDATES = _memory_update()
+"""Applies a context's pending stream copies now; None: this build cannot (`copy_stream` then declines)."""
 
 
 def held_for(held: Held, tenant: str, tokens: np.ndarray) -> int:
@@ -67,24 +90,44 @@ def copy_from_sibling(held: Held, siblings: Sequence[Held], tenant: str, tokens:
         return 0
     t0 = time.perf_counter()
 
-    def copy(llm: llama_cpp.Llama) -> tuple[int, int]:
+    def copy(llm: llama_cpp.Llama) -> tuple[int, int, str]:
         src, n = max(((h, min(held_for(h, tenant, want), upto)) for h in others), key=lambda p: p[1])
         if n - have < MIN_TOKENS:
-            return -1, 0
+            return -1, 0, ""
         seq = src.llm.seq  # type: ignore[union-attr]
-        state = read_ctx_state(llm.ctx, seq)
         view.reset()  # what this sequence held is gone from here on, whatever happens next
         held.hold(tenant, 0)
-        write_ctx_state(llm.ctx, state if view.n_streams == 1 else restream(state, seq, view.seq, view.n_streams), view.seq)
+        how = "stream" if view.n_streams > 1 and copy_stream(llm, seq, view.seq) else "state"
+        if how == "state":
+            state = read_ctx_state(llm.ctx, seq)
+            write_ctx_state(llm.ctx, state if view.n_streams == 1 else restream(state, seq, view.seq, view.n_streams), view.seq)
         llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.ctx), view.seq, n, -1)
         view.input_ids[:n] = want[:n]
         view.n_tokens = n
         held.hold(tenant, n)  # set here, in the loop's thread: siblings' copies read it between rounds
-        return seq, n
+        return seq, n, how
 
-    seq, n = view.loop.run(view.seq, copy)
+    seq, n, how = view.loop.run(view.seq, copy)
     if n == 0:
         return 0
     metrics.SIBLING_TOKENS.labels(**labels).inc(n)
-    log.info("prefix.sibling_copy", extra={"from_seq": seq, "to_seq": view.seq, "tokens": n, "s": round(time.perf_counter() - t0, 4)})
+    log.info(
+        "prefix.sibling_copy", extra={"from_seq": seq, "to_seq": view.seq, "tokens": n, "how": how, "s": round(time.perf_counter() - t0, 4)}
+    )
     return n
+
+
+def copy_stream(llm: llama_cpp.Llama, src: int, dst: int) -> bool:
+    """Copy sequence ``src``'s stream, every cell at its place, over sequence ``dst``'s, now; False (nothing changed) if it cannot.
+
+    Runs in the loop's thread. ``dst``'s cells are replaced by ``src``'s whole stream;
+    the caller removes those past the prefix it wants.
+    """
+    if APPLY_UPDATES is None or src == dst:
+        return False
+    mem = llama_cpp.llama_get_memory(llm.ctx)
+    llama_cpp.llama_memory_seq_cp(mem, src, dst, -1, -1)
+    if APPLY_UPDATES(llm.ctx, False):
+        return True
+    llama_cpp.llama_memory_seq_rm(mem, dst, -1, -1)  # the cells were claimed but their bytes not copied
+    return False

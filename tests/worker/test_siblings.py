@@ -6,11 +6,14 @@ sequences with a store (S3 over HTTP, a Redis of the module's own), as a worker 
 sequence 1, which holds nothing, is asked the prompt plus a question, while sequence 0
 still generates. It copies the prefix from sequence 0's cells (`worker.siblings`): none
 of it comes from the store and none is evaluated again, and its answer is a cold
-evaluation's, bit for bit. Another tenant's cells are never copied.
+evaluation's, bit for bit, whether the copy is llama.cpp's stream copy (the build
+``deploy/setup.sh`` makes has what applies it at once) or goes through host memory (a
+build without it). Another tenant's cells are never copied.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections.abc import Iterator
@@ -24,11 +27,13 @@ from gateway.pool.procs import RedisServer
 from gateway.pool.s3server import S3Server
 from store.store import Store
 from tests.helpers import cold_greedy, prompt_text, s3_settings
-from worker import metrics
+from worker import metrics, siblings
 from worker.context import open_llama
 from worker.engine import Engine
-from worker.llama_state import evaluate_prompt, last_logits
+from worker.kvstate import describe_state
+from worker.llama_state import evaluate_prompt, last_logits, read_ctx_state, write_ctx_state
 from worker.protocol import JobResult, SamplingParams, TokenEvent, job_spec
+from worker.sequence import SeqView, restream, single_stream
 from worker.settings import WorkerSettings
 
 CHUNK = 64
@@ -85,15 +90,23 @@ def copied(engine: Engine) -> float:
     return metrics.SIBLING_TOKENS.labels(**engine.labels)._value.get()
 
 
+@pytest.mark.parametrize("how", ["stream", "state"])
 def test_a_prefix_a_busy_sibling_holds_is_copied_from_its_cells_with_the_cold_bits_and_no_store_read(
-    engines: list[Engine], cold: llama_cpp.Llama
+    engines: list[Engine], cold: llama_cpp.Llama, how: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     first, second = engines
-    shared = cold.tokenize(prompt_text(71, 900).encode())[:800]
+    if how == "state":
+        monkeypatch.setattr(siblings, "APPLY_UPDATES", None)
+    else:
+        assert siblings.APPLY_UPDATES is not None, "this llama.cpp build cannot apply a stream copy at once"
+    seed = 71 if how == "stream" else 73
+    ask(second, cold.tokenize(prompt_text(seed + 1, 900).encode())[:820])  # its stream holds other cells where the prefix goes
+    shared = cold.tokenize(prompt_text(seed, 900).encode())[:800]
     ask(first, shared)  # sequence 0 holds it, and the store too
     assert first.publisher is not None and first.publisher.wait_idle()
     second.forget_context()
     before = copied(second)
+    caplog.set_level(logging.INFO, logger="kvpool.worker")
 
     started = threading.Event()
     busy: list[object] = []
@@ -109,6 +122,7 @@ def test_a_prefix_a_busy_sibling_holds_is_copied_from_its_cells_with_the_cold_bi
     assert result.usage.cached_from_context == len(shared), "the prefix did not come from the sibling's cells"
     assert result.usage.cached_from_store == 0 and result.usage.evaluated_tokens == len(prompt) - len(shared)
     assert copied(second) - before == len(shared)
+    assert [r.how for r in caplog.records if r.getMessage() == "prefix.sibling_copy"] == [how]  # type: ignore[attr-defined]
     ref_logits, ref_tokens = cold_answer(cold, prompt)
     assert np.array_equal(logits, ref_logits) and result.tokens == ref_tokens
     busy_logits, busy_result = busy[0]  # type: ignore[misc]
@@ -126,3 +140,30 @@ def test_another_tenants_cells_are_never_copied(engines: list[Engine], cold: lla
     assert result.usage.cached_from_context == 0 and copied(second) == before
     ref_logits, ref_tokens = cold_answer(cold, prompt)
     assert np.array_equal(logits, ref_logits) and result.tokens == ref_tokens
+
+
+def test_a_stream_copy_is_applied_at_once_and_holds_the_bytes_a_copy_through_host_memory_does(
+    engines: list[Engine], cold: llama_cpp.Llama
+) -> None:
+    """Read back in the same task, before any decode: llama.cpp alone would copy the bytes only at the next one."""
+    first, second = engines
+    ask(first, cold.tokenize(prompt_text(75, 400).encode()))
+    ask(second, cold.tokenize(prompt_text(76, 500).encode()))  # the cells the copy replaces
+    n = 256
+    view = second.llm
+    assert isinstance(view, SeqView)
+
+    def both(llm: llama_cpp.Llama) -> tuple[bytes, bytes]:
+        mem = llama_cpp.llama_get_memory(llm.ctx)
+        assert siblings.copy_stream(llm, 0, 1)
+        llama_cpp.llama_memory_seq_rm(mem, 1, n, -1)
+        by_stream = bytes(single_stream(read_ctx_state(llm.ctx, 1), 1, 2))
+        llama_cpp.llama_memory_seq_rm(mem, 1, -1, -1)
+        write_ctx_state(llm.ctx, restream(read_ctx_state(llm.ctx, 0), 0, 1, 2), 1)
+        llama_cpp.llama_memory_seq_rm(mem, 1, n, -1)
+        return by_stream, bytes(single_stream(read_ctx_state(llm.ctx, 1), 1, 2))
+
+    by_stream, by_state = view.loop.run(1, both)
+    second.forget_context()
+    view.reset()
+    assert describe_state(by_stream).n_cells == n and by_stream == by_state
