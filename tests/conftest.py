@@ -21,12 +21,19 @@ from store.settings import StoreSettings
 from store.store import Store
 from tests.helpers import POOL_CHUNK, env_for_pool, s3_settings
 
+SUITE_SETTINGS = {"KVPOOL_PARALLEL": "1"}
+"""The suite's own defaults: one sequence per worker, unless a test asks for more (`tests/worker/test_batched.py`,
+`test_siblings.py`, ...); what the default (chosen per model) opens has tests of its own (`tests/worker/test_sequences.py`)."""
+os.environ.update(SUITE_SETTINGS)  # for fixtures of a wider scope, set up before the one below
+
 
 @pytest.fixture(autouse=True)
 def _no_ambient_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """A KVPOOL_* variable in the shell that runs the tests must not change what they see (nor the processes they start)."""
     for name in [k for k in os.environ if k.startswith("KVPOOL_")]:
         monkeypatch.delenv(name)
+    for name, value in SUITE_SETTINGS.items():
+        monkeypatch.setenv(name, value)
 
 
 @pytest.fixture(scope="session")

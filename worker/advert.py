@@ -80,6 +80,8 @@ class Advert:
     """The worker's kernel fingerprint, canonical (its digest, or ``any``, is in ``layout``)."""
     decode: str = ""
     """How the worker decodes generated tokens (`worker.decoding.DecodeMode`): ``settle`` when not exactly."""
+    sequences: int = 1
+    """The sequences of the worker process (``KVPOOL_PARALLEL`` as resolved for its model), each advertised as ``name.i``."""
 
     def serves(self, model: str, chunk_size: int) -> bool:
         """Whether this worker can run a job of this model and chunk size."""
@@ -104,6 +106,7 @@ class Serving:
     layout: str
     kernels: str = ""
     decode: str = ""
+    sequences: int = 1
 
 
 def advertise(
@@ -120,7 +123,12 @@ def advertise(
     doc: dict[str, object] = {"keys": [k.hex() for k in keys], "busy": busy, "pid": pid, "host": host, "pending": pending}
     if serving is not None:
         doc.update(
-            model=serving.model, chunk_size=serving.chunk_size, layout=serving.layout, kernels=serving.kernels, decode=serving.decode
+            model=serving.model,
+            chunk_size=serving.chunk_size,
+            layout=serving.layout,
+            kernels=serving.kernels,
+            decode=serving.decode,
+            sequences=serving.sequences,
         )
     conn.eval(_WRITE, 3, ADVERTS_KEY, STARTING_KEY, SEEN_KEY, worker, json.dumps(doc), process_key(host, pid))
 
@@ -210,6 +218,7 @@ def _advert(name: str, doc: dict[str, Any]) -> Advert:
         int(doc.get("pending", 0)),
         str(doc.get("kernels", "")),
         str(doc.get("decode", "")),
+        int(doc.get("sequences", 1)),
     )
 
 

@@ -23,12 +23,42 @@ from worker.loop import EngineLoop
 from worker.sequence import SeqView
 from worker.settings import WorkerSettings
 
+AUTO_SEQUENCES = 4
+"""``KVPOOL_PARALLEL`` = 0 gives a model whose cache keeps one cell per token this many sequences (llama-server's default slots)."""
+
+
+def sequences_for(model_path: str | Path, parallel: int) -> int:
+    """``KVPOOL_PARALLEL`` resolved for a model: as set, or for 0, `AUTO_SEQUENCES` where the cache keeps one cell per token, else 1.
+
+    Sliding-window, recurrent and hybrid memories are stored as whole checkpoints, which
+    need one sequence (`worker.checkpoints`); encoder-decoder and multi-dimensional
+    position models share nothing. Read from the model's header alone (no weights loaded; a
+    model loaded for its vocabulary has no hyperparameters, so the window is its header's key).
+    """
+    if parallel:
+        return parallel
+    vocab = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
+    try:
+        m, meta = vocab.model, vocab.metadata
+        window = meta.get(f"{meta.get('general.architecture', '')}.attention.sliding_window", "0")
+        per_token = not (
+            llama_cpp.llama_model_is_recurrent(m)
+            or llama_cpp.llama_model_is_hybrid(m)
+            or int(window or 0) > 0
+            or llama_cpp.llama_model_has_encoder(m)
+            or llama_cpp.llama_model_rope_type(m)
+            in (llama_cpp.LLAMA_ROPE_TYPE_MROPE, llama_cpp.LLAMA_ROPE_TYPE_IMROPE, llama_cpp.LLAMA_ROPE_TYPE_VISION)
+        )
+    finally:
+        vocab.close()
+    return AUTO_SEQUENCES if per_token else 1
+
 
 class Context:
-    """The model, the loop that owns its context, and the ``settings.parallel`` sequences it hands out."""
+    """The model, the loop that owns its context, and the ``settings.parallel`` sequences it hands out (`sequences_for`)."""
 
     def __init__(self, settings: WorkerSettings, model_path: Path) -> None:
-        self.n_seq, self.n_ctx = settings.parallel, settings.n_ctx
+        self.n_seq, self.n_ctx = sequences_for(model_path, settings.parallel), settings.n_ctx
         self.llm = open_llama(
             model_path,
             flash_attn=settings.flash_attn,
@@ -39,7 +69,7 @@ class Context:
             n_threads=settings.n_threads,
             n_threads_batch=settings.threads_batch(),
             n_gpu_layers=settings.n_gpu_layers,
-            n_seq=settings.parallel,
+            n_seq=self.n_seq,
         )
         if self.n_seq > 1 and (llama_cpp.llama_model_is_recurrent(self.llm.model) or llama_cpp.llama_model_is_hybrid(self.llm.model)):
             self.llm.close()

@@ -52,7 +52,7 @@ class LoadedModel:
         self.labels = {"model": Path(model_path).name, "layout": self.layout.canonical()}
         if store is not None:  # what `kvpool store stats` says of the namespaces this worker publishes to
             store.about = {"kernels": SHARED_KERNELS if settings.share_across_kernels else self.kernels.canonical()}
-        verdict = startup_verdict(probe, self.kv, settings, store=store is not None, shared=settings.parallel > 1)
+        verdict = startup_verdict(probe, self.kv, settings, store=store is not None, shared=self.context.n_seq > 1)
         self.restore_enabled, self.exact = verdict.restore, verdict.exact
         self.checkpoints = Checkpoints(store) if verdict.checkpoints and store is not None else None
         """Set when this model's state is stored whole at chunk boundaries (`worker.checkpoints`), not cut into cells."""

@@ -47,6 +47,7 @@ from store.errors import StoreError
 from store.store import Store
 from worker import jobs, metrics
 from worker.advert import withdraw
+from worker.context import sequences_for
 from worker.cpus import available_cpus, openmp_wait
 from worker.engine import Engine
 from worker.health import Health, self_check_outcome, serve
@@ -136,6 +137,8 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
 
 def _start(settings: WorkerSettings, health: Health) -> tuple[list[KvpoolWorker], list[Engine]]:
     """The sequences' RQ workers (their names claimed) and engines (the model loaded, the start-up checks run)."""
+    model = resolve_model(settings)
+    settings = settings.model_copy(update={"parallel": sequences_for(model, settings.parallel)})  # 0: chosen for the model
     names = slot_names(settings.worker_name or f"{socket.gethostname()}-{os.getpid()}", settings.parallel)
     workers = [_wait_for_redis(lambda n=n: build_worker(settings, n)) for n in names]
     for w in workers:
@@ -151,7 +154,7 @@ def _start(settings: WorkerSettings, health: Health) -> tuple[list[KvpoolWorker]
             "parallel": settings.parallel,
         },
     )
-    engine = Engine.open(settings, resolve_model(settings), store=open_store(settings), name=names[0])
+    engine = Engine.open(settings, model, store=open_store(settings), name=names[0])
     engines = [engine, *(engine.for_sequence(seq, name) for seq, name in enumerate(names[1:], start=1))]
     metrics.BUSY.labels(**engine.labels).set(0)
     outcome, passed = self_check_outcome(

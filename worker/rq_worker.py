@@ -116,7 +116,9 @@ class KvpoolWorker(SimpleWorker):
         self.idle_advert_at = float("-inf") if busy else time.monotonic()
         try:
             e = self.engine
-            serving = Serving(e.fingerprint, e.settings.chunk_size, e.layout.canonical(), e.kernels.canonical(), str(e.decode))
+            serving = Serving(
+                e.fingerprint, e.settings.chunk_size, e.layout.canonical(), e.kernels.canonical(), str(e.decode), e.loaded.context.n_seq
+            )
             pending = e.publisher.pending if e.publisher else 0
             advertise(
                 self.connection, self.name, e.held_keys(), busy, pid=os.getpid(), host=self.hostname or "", serving=serving, pending=pending

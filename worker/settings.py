@@ -69,11 +69,13 @@ class WorkerSettings(PoolSettings):
         return self.n_threads_batch or self.n_threads
 
     parallel: int = Field(
-        1,
-        ge=1,
+        0,
+        ge=0,
         le=64,
         description="Sequences one worker serves at once, decoded together in shared batches (one KV stream of KVPOOL_N_CTX "
-        "cells each); each is an RQ worker of its own, named <worker name>.<i>.",
+        "cells each); each is an RQ worker of its own, named <worker name>.<i>. 0: chosen for the model, 4 where its cache "
+        "keeps one cell per token (as llama-server's 4 slots), 1 for sliding-window, recurrent and hybrid models, whose "
+        "checkpoints need one sequence.",
     )
     prefill_chunk: int = Field(
         128,

@@ -27,7 +27,7 @@ from typing import Self
 import httpx
 import redis
 
-from worker.advert import adverts, announce_starting
+from worker.advert import Advert, adverts, announce_starting
 from worker.protocol import slot_names
 
 S3_ACCESS_KEY = "kvpool-local"
@@ -217,17 +217,29 @@ class WorkerProcess(Process):
 
     @property
     def names(self) -> list[str]:
-        """The RQ workers of its sequences (`KVPOOL_PARALLEL`): its name, or ``name.0``, ``name.1``, ..."""
-        return slot_names(self.name, int(self.env.get("KVPOOL_PARALLEL", "1")))
+        """The RQ workers of its sequences (`KVPOOL_PARALLEL`): its name, or ``name.0``, ``name.1``, ...
+
+        With ``KVPOOL_PARALLEL`` unset or 0 the worker chooses for its model, and its adverts
+        say how many it chose; until one does, its name alone.
+        """
+        parallel = int(self.env.get("KVPOOL_PARALLEL") or 0)
+        if parallel == 0:
+            try:
+                parallel = max((a.sequences for a in self._adverts()), default=1)
+            except redis.ConnectionError:
+                parallel = 1
+        return slot_names(self.name, parallel)
 
     def ready(self) -> bool:
         """Every sequence advertised; an advert left by an earlier process of the same name does not count."""
-        assert self.proc is not None
         try:
-            mine = {a.worker for a in adverts(self.conn) if a.pid == self.proc.pid}
-            return mine >= set(self.names)
+            return {a.worker for a in self._adverts()} >= set(self.names)
         except redis.ConnectionError:
             return False
+
+    def _adverts(self) -> list[Advert]:
+        """This process's adverts (none before it is spawned)."""
+        return [a for a in adverts(self.conn) if a.pid == self.proc.pid] if self.proc is not None else []
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """Warm shutdown: the current job finishes first."""
