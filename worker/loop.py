@@ -91,6 +91,10 @@ class EngineLoop:
         self.calls = 0
         self.dropped = 0
         """Requests dropped because their job stopped waiting."""
+        self.idle_s = 0.0
+        """Time spent with no work at all (every sequence idle or busy outside the loop)."""
+        self.gathered_s = 0.0
+        """Time spent, with work waiting, waiting for the sequences stepped last round (``gather_s`` at most a round)."""
         self.totals: dict[CallKind, CallTotals] = {}
         """Calls and their time by kind, logged once when the loop closes (``loop.totals``)."""
         self._thread = threading.Thread(target=self._run, name="kvpool-loop", daemon=True)
@@ -164,6 +168,8 @@ class EngineLoop:
             extra={
                 "rounds": self.rounds,
                 "dropped": self.dropped,
+                "idle_s": round(self.idle_s, 3),
+                "gathered_s": round(self.gathered_s, 3),
                 **{f"{k}_{f}": v for k, t in sorted(self.totals.items()) for f, v in t.fields().items()},
             },
         )
@@ -217,14 +223,18 @@ class EngineLoop:
 
     def _wait_for_work(self) -> bool:
         """Wait for a request or a task, then up to ``gather_s`` for the sequences stepped last round; False once closed."""
+        idle_from = time.monotonic()
         while not self._queue and not self._tasks and not self._closed:
             self._cv.wait()
+        self.idle_s += time.monotonic() - idle_from
         if self._closed:
             self._fail_all(LoopClosed("the worker is stopping"))
             return False
-        deadline = time.monotonic() + self.gather_s
+        start = time.monotonic()
+        deadline = start + self.gather_s
         while self._missing() and (left := deadline - time.monotonic()) > 0:
             self._cv.wait(left)
+        self.gathered_s += time.monotonic() - start
         self._expected -= self._missing()  # late this round: not waited for again until it steps again
         return True
 
