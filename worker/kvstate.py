@@ -201,7 +201,7 @@ def describe_state(state: Buffer) -> StateInfo:
     return StateInfo(p.layout, p.n_cells, p.v_trans, p.seq_id, pos_min, pos_max, in_order, contiguous)
 
 
-def as_sequence_zero(state: bytearray) -> None:
+def as_sequence_zero(state: bytearray | memoryview) -> None:
     """Rewrite, in place, the sequence id of a blob and of each of its cells to 0 (llama.cpp discards them on load).
 
     A chunk then has the same bytes whichever sequence of a multi-sequence context it was
