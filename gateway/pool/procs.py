@@ -222,20 +222,27 @@ class WorkerProcess(Process):
         With ``KVPOOL_PARALLEL`` unset or 0 the worker chooses for its model, and its adverts
         say how many it chose; until one does, its name alone.
         """
-        parallel = int(self.env.get("KVPOOL_PARALLEL") or 0)
-        if parallel == 0:
-            try:
-                parallel = max((a.sequences for a in self._adverts()), default=1)
-            except redis.ConnectionError:
-                parallel = 1
-        return slot_names(self.name, parallel)
+        try:
+            return self._names([] if self._parallel else self._adverts())
+        except redis.ConnectionError:
+            return self._names([])
 
     def ready(self) -> bool:
         """Every sequence advertised; an advert left by an earlier process of the same name does not count."""
         try:
-            return {a.worker for a in self._adverts()} >= set(self.names)
+            mine = self._adverts()  # one read of the adverts: the names too come from it
         except redis.ConnectionError:
             return False
+        return {a.worker for a in mine} >= set(self._names(mine))
+
+    def _names(self, mine: list[Advert]) -> list[str]:
+        """Its sequences' names, given its adverts (read only when ``KVPOOL_PARALLEL`` leaves the count to the worker)."""
+        return slot_names(self.name, self._parallel or max((a.sequences for a in mine), default=1))
+
+    @property
+    def _parallel(self) -> int:
+        """``KVPOOL_PARALLEL`` as given to the worker; 0: the worker chooses."""
+        return int(self.env.get("KVPOOL_PARALLEL") or 0)
 
     def _adverts(self) -> list[Advert]:
         """This process's adverts (none before it is spawned)."""
