@@ -236,9 +236,9 @@ if __name__ == "__main__":
 @click.option(
     "--systems",
     "names",
-    default="server-1,server-4,round-robin,kvpool-1w,kvpool-1w4s,kvpool-2w",
+    default="server-1,server-4,round-robin,kvpool,kvpool-1w,kvpool-1w4s,kvpool-2w",
     show_default=True,
-    help="Comma-separated subset of the systems (the server-* and round-robin ones need --llama-server).",
+    help="Comma-separated subset of the systems (the server-* and round-robin ones need --llama-server; kvpool: one worker at default settings, kvpool-1w: one sequence, kvpool-1w4s: four).",
 )
 @click.option(
     "--neighbour",

@@ -177,7 +177,10 @@ class BenchPoolSettings(GatewaySettings):
 
 @contextmanager
 def kvpool_pool(model: Path, *, workers: int, threads: int, n_ctx: int, logs: Path, parallel: int = 1) -> Iterator[list[str]]:
-    """A kvpool pool of its own (managed Redis, a fresh store) whatever ``KVPOOL_*`` variables this process has."""
+    """A kvpool pool of its own (managed Redis, a fresh store) whatever ``KVPOOL_*`` variables this process has.
+
+    ``parallel``: each worker's ``KVPOOL_PARALLEL`` (0: the default, the worker chooses by its model).
+    """
     from gateway.pool.up import LocalPool
 
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as state:
@@ -197,7 +200,7 @@ def kvpool_pool(model: Path, *, workers: int, threads: int, n_ctx: int, logs: Pa
             pool.stop()
 
 
-SYSTEMS = ("server-1", "server-4", "round-robin", "kvpool-1w", "kvpool-1w4s", "kvpool-2w")
+SYSTEMS = ("server-1", "server-4", "round-robin", "kvpool", "kvpool-1w", "kvpool-1w4s", "kvpool-2w")
 """The systems' short names, as ``--systems`` takes them, in the order they run."""
 
 
@@ -220,6 +223,10 @@ def systems(
             "2 llama-servers, round-robin",
             lambda: llama_servers(binary, model, count=2, threads=half, slots=1, n_ctx=n_ctx, logs=logs),
         )
+    found["kvpool"] = (
+        f"kvpool 1w x {threads}t, defaults",
+        lambda: kvpool_pool(model, workers=1, threads=threads, n_ctx=n_ctx, logs=logs, parallel=0),
+    )
     found["kvpool-1w"] = (f"kvpool 1w x {threads}t", lambda: kvpool_pool(model, workers=1, threads=threads, n_ctx=n_ctx, logs=logs))
     found["kvpool-1w4s"] = (
         f"kvpool 1w x {threads}t x 4 seq",

@@ -5,16 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 BASE = "llama-server 1 slot"
+DEFAULTS = ", defaults"
+"""How the name of the system of one worker at default settings ends (``kvpool 1w x 2t, defaults``)."""
 Run = dict[str, Any]
 
 
 def _find(runs: list[Run], system: str, workload: str, conc: int, *, neighbour: bool = False) -> Run | None:
-    """The run of the system whose name starts with ``system``, with a busy neighbour or without."""
+    """The run of the system whose name starts with ``system`` (the defaults' only if ``system`` ends as theirs does)."""
     return next(
         (
             r
             for r in runs
-            if r["system"].startswith(system)
+            if r["system"].startswith(system.removesuffix(DEFAULTS))
+            and r["system"].endswith(DEFAULTS) == system.endswith(DEFAULTS)
             and r["workload"] == workload
             and r["concurrency"] == conc
             and bool(r.get("neighbour")) == neighbour
@@ -101,7 +104,7 @@ def _targets(runs: list[Run], decode: list[Run], keys: list[str]) -> list[str]:
                 f"| kvpool's time over llama-server's: {x:.2f}x ({kv['wall_s']:.1f} vs {base['wall_s']:.1f} s) | {_verdict(x <= 1.3)} |"
             )
     d_base = next((d for d in decode if d["system"] == BASE), None)
-    d_kv = next((d for d in decode if d["system"].startswith("kvpool 1w")), None)
+    d_kv = next((d for d in decode if d["system"].startswith("kvpool 1w") and not d["system"].endswith(DEFAULTS)), None)
     if d_base and d_kv:
         x = d_kv["tokens_per_s"] / d_base["tokens_per_s"]
         out.append(
@@ -116,7 +119,38 @@ def _targets(runs: list[Run], decode: list[Run], keys: list[str]) -> list[str]:
             f"| decode, 4 streams: kvpool 1 worker of 4 sequences at least llama-server 4 slots' tokens/s "
             f"| {x:.2f}x ({d_seq['tokens_per_s']:.0f} vs {d_slots['tokens_per_s']:.0f} tokens/s) | {_verdict(x >= 1)} |"
         )
-    return [*out, ""]
+    return [*out, *_default_targets(runs, decode, keys), ""]
+
+
+def _default_targets(runs: list[Run], decode: list[Run], keys: list[str]) -> list[str]:
+    """One worker at default settings: at least llama-server 4 slots at 4 clients, within 1 slot's time at one."""
+    out = []
+    name = "kvpool 1w" + DEFAULTS
+    for key in keys:
+        slots, kv = _find(runs, "llama-server 4 slots", key, 4), _find(runs, name, key, 4)
+        if slots and kv:
+            x = slots["wall_s"] / kv["wall_s"]
+            out.append(
+                f"| {key} c=4: kvpool 1 worker at default settings at least as fast as llama-server 4 slots "
+                f"| {x:.2f}x as fast ({kv['wall_s']:.1f} vs {slots['wall_s']:.1f} s) | {_verdict(x >= 1)} |"
+            )
+    for key in keys:
+        base, kv = _find(runs, BASE, key, 1), _find(runs, name, key, 1)
+        if base and kv:
+            x = kv["wall_s"] / base["wall_s"]
+            out.append(
+                f"| {key} c=1: kvpool 1 worker at default settings within 1.0x of llama-server 1 slot's time "
+                f"| kvpool's time over llama-server's: {x:.2f}x ({kv['wall_s']:.1f} vs {base['wall_s']:.1f} s) | {_verdict(x <= 1)} |"
+            )
+    d_slots = next((d for d in decode if d["system"] == "llama-server 4 slots"), None)
+    d_kv = next((d for d in decode if d["system"].endswith(DEFAULTS)), None)
+    if d_slots and d_kv:
+        x = d_kv["tokens_per_s"] / d_slots["tokens_per_s"]
+        out.append(
+            f"| decode, 4 streams: kvpool 1 worker at default settings at least llama-server 4 slots' tokens/s "
+            f"| {x:.2f}x ({d_kv['tokens_per_s']:.0f} vs {d_slots['tokens_per_s']:.0f} tokens/s) | {_verdict(x >= 1)} |"
+        )
+    return out
 
 
 def _neighbour_table(runs: list[Run]) -> list[str]:

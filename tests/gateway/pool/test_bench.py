@@ -189,6 +189,10 @@ def test_bench_peers_runs_the_systems_asked_for_in_their_usual_order(tmp_path: P
     chosen = systems(binary, model, threads=2, n_ctx=4096, logs=tmp_path, only=("kvpool-2w", "server-1"))
     assert list(chosen) == ["llama-server 1 slot", "kvpool 2w x 1t"]
     assert list(systems(None, model, threads=2, n_ctx=4096, logs=tmp_path, only=("server-1", "kvpool-1w"))) == ["kvpool 1w x 2t"]
+    assert list(systems(None, model, threads=2, n_ctx=4096, logs=tmp_path, only=("kvpool-1w", "kvpool"))) == [
+        "kvpool 1w x 2t, defaults",
+        "kvpool 1w x 2t",
+    ]
 
 
 def test_bench_peers_refuses_a_system_it_does_not_know(tmp_path: Path) -> None:
@@ -196,7 +200,7 @@ def test_bench_peers_refuses_a_system_it_does_not_know(tmp_path: Path) -> None:
 
     result = CliRunner().invoke(bench_peers_command, ["--systems", "kvpool-1w,vllm", "--out", str(tmp_path)])
     assert result.exit_code == 2
-    assert "--systems" in result.output and "server-1, server-4, round-robin, kvpool-1w, kvpool-1w4s, kvpool-2w" in result.output
+    assert "--systems" in result.output and "server-1, server-4, round-robin, kvpool, kvpool-1w, kvpool-1w4s, kvpool-2w" in result.output
 
 
 def test_stored_bytes_per_chunk_leave_tails_out(index) -> None:
@@ -210,6 +214,38 @@ def test_stored_bytes_per_chunk_leave_tails_out(index) -> None:
     index.add(b"c" * 16, other.key, 0, 7)
     index.add_tail(b"t" * 16, ns.key, 2, b"b" * 16, b"\0" * 8, 300, cap=4)
     assert sorted(stored_bytes(index, ns)) == [1000, 1000]
+
+
+def test_bench_peers_judges_one_worker_at_default_settings_against_both_llama_server_configurations() -> None:
+    """The defaults' worker must match 4 slots at 4 clients and 1 slot's time at one; the 1-sequence worker's targets stay its own."""
+    from gateway.pool.bench.peers_report import report
+
+    def run(system: str, conc: int, wall: float) -> dict[str, object]:
+        return {"system": system, "workload": "W2", "concurrency": conc, "wall_s": wall, "ttft_s": [1.0]}
+
+    runs = [run("llama-server 1 slot", 1, 10.0), run("llama-server 4 slots", 4, 8.0)]
+    runs += [run("kvpool 1w x 2t, defaults", 1, 10.5), run("kvpool 1w x 2t, defaults", 4, 6.4), run("kvpool 1w x 2t", 1, 9.0)]
+    for r in runs:
+        r.update(ttft_p50=1.0, ttft_p95=1.0, prompt_tokens=10, cached_tokens=0, completion_tokens=4, answers=["a"])
+    decode = [
+        {"system": "llama-server 4 slots", "wall_s": 1.0, "completion_tokens": 100, "tokens_per_s": 100.0},
+        {"system": "kvpool 1w x 2t, defaults", "wall_s": 1.0, "completion_tokens": 100, "tokens_per_s": 90.0},
+    ]
+    md = report({"model": "m", "threads": 2, "n_ctx": 4096, "runs": runs, "decode": decode}, "kvpool bench-peers")
+    targets = md.split("### Targets")[1]
+    assert (
+        "| W2 c=4: kvpool 1 worker at default settings at least as fast as llama-server 4 slots | 1.25x as fast (6.4 vs 8.0 s) | met |"
+        in targets
+    )
+    assert (
+        "| W2 c=1: kvpool 1 worker at default settings within 1.0x of llama-server 1 slot's time | kvpool's time over llama-server's: 1.05x"
+        in targets
+    )
+    assert "1.05x (10.5 vs 10.0 s) | **missed** |" in targets
+    assert "at least llama-server 4 slots' tokens/s | 0.90x (90 vs 100 tokens/s) | **missed** |" in targets
+    assert (
+        "kvpool 1 worker within 1.05x of llama-server 1 slot (wall and TTFT p50) | kvpool's time over llama-server's: wall 0.90x" in targets
+    )
 
 
 def test_the_committed_peers_report_is_what_its_recorded_json_gives(tmp_path: Path) -> None:
