@@ -58,6 +58,10 @@ class LoadedModel:
         """Set when this model's state is stored whole at chunk boundaries (`worker.checkpoints`), not cut into cells."""
         self.decode, why = choose_mode(probe, settings.exact_decode) if self.kv.prefix_reuse else (DecodeMode.SETTLE, str(self.kv.reason))
         log.log(logging.INFO if self.decode.exact else logging.WARNING, "decode.mode", extra={"mode": str(self.decode), "detail": why})
+        if self.context.n_seq > 1:  # whether a filler joins two sequences' steps in one pass over the weights (`worker.rounds`)
+            loop = self.context.loop
+            loop.step_cost = loop.measure_steps(self.context.n_seq, 2 if self.decode is DecodeMode.PAIR else 1)
+            log.info("loop.step_cost", extra={"ms": [round(c * 1000, 2) for c in loop.step_cost]})
         metrics.RESTORE_ENABLED.labels(**self.labels).set(int(self.restore_enabled))
         metrics.EXACT.labels(**self.labels).set(int(self.exact))
         self.publisher = Publisher(store, settings.publish_queue, self.labels) if store and settings.publish else None

@@ -44,7 +44,7 @@ import llama_cpp
 import numpy as np
 
 from worker.errors import JobAborted
-from worker.rounds import CallKind, CallTotals, Piece, Request, call_kinds, plan_round
+from worker.rounds import CallKind, CallTotals, Piece, Request, StepCost, call_kinds, fillers, plan_round
 
 log = logging.getLogger("kvpool.worker.loop")
 
@@ -95,6 +95,10 @@ class EngineLoop:
         """Time spent with no work at all (every sequence idle or busy outside the loop)."""
         self.gathered_s = 0.0
         """Time spent, with work waiting, waiting for the sequences stepped last round (``gather_s`` at most a round)."""
+        self.step_cost: StepCost | None = None
+        """Measured cost of steps by how many consecutive sequences hold them (`measure_steps`): where set, gaps get fillers."""
+        self.filled = 0
+        """Filler tokens decoded (`worker.rounds.fillers`)."""
         self.totals: dict[CallKind, CallTotals] = {}
         """Calls and their time by kind, logged once when the loop closes (``loop.totals``)."""
         self._thread = threading.Thread(target=self._run, name="kvpool-loop", daemon=True)
@@ -170,6 +174,7 @@ class EngineLoop:
                 "dropped": self.dropped,
                 "idle_s": round(self.idle_s, 3),
                 "gathered_s": round(self.gathered_s, 3),
+                "filled": self.filled,
                 **{f"{k}_{f}": v for k, t in sorted(self.totals.items()) for f, v in t.fields().items()},
             },
         )
@@ -285,31 +290,82 @@ class EngineLoop:
         self._cv.notify_all()
 
     def _call(self, call: list[Piece], kind: CallKind) -> None:
-        """One ``llama_decode`` of the pieces; each request whose last token went in gets its logits."""
-        b = self._batch
+        """One ``llama_decode`` of the pieces (and fillers); each request whose last token went in gets its logits."""
         mem = llama_cpp.llama_get_memory(self.llm.ctx)
+        gaps = self._fillers(call, kind) if self.step_cost else []
+        rows: list[tuple[int, Request | None, int]] = sorted(
+            [(r.seq, r, n) for r, n in call] + [(seq, None, pos) for seq, pos in gaps], key=lambda e: e[0]
+        )  # in sequence order: llama.cpp takes a micro-batch's sequences in the batch's order
         i = 0
         outputs: list[tuple[Request, int, int]] = []  # request, first batch index, tokens
-        for req, n in call:
+        for seq, req, n in rows:
+            if req is None:  # a filler: n is its position
+                i = self._put(i, seq, [call[0][0].tokens[0]] * call[0][1], n, logits=False)
+                continue
             if req.done == 0:  # a request replaces whatever its sequence holds from its position on
                 llama_cpp.llama_memory_seq_rm(mem, req.seq, req.pos, -1)
+            outputs.append((req, i, n))
             last = req.done + n == len(req.tokens)
-            for j in range(n):
-                k = req.done + j
-                b.token[i] = req.tokens[k]
-                b.pos[i] = req.pos + k
-                b.n_seq_id[i] = 1
-                b.seq_id[i][0] = req.seq
-                b.logits[i] = 1 if req.rows or (last and j == n - 1) else 0
-                i += 1
-            outputs.append((req, i - n, n))
-        b.n_tokens = i
+            i = self._put(i, seq, req.tokens[req.done : req.done + n], req.pos + req.done, logits=req.rows, last=last)
+        self._batch.n_tokens = i
         t0 = time.perf_counter()
-        rc = llama_cpp.llama_decode(self.llm.ctx, b)
+        rc = llama_cpp.llama_decode(self.llm.ctx, self._batch)
         self.totals.setdefault(kind, CallTotals()).add(i, time.perf_counter() - t0)
         self.calls += 1
+        self.filled += len(gaps) * call[0][1]
+        for seq, pos in gaps:  # gone again: the sequence's cells, and where they are, as before the call
+            llama_cpp.llama_memory_seq_rm(mem, seq, pos, -1)
         for req, first, n in outputs:
             self._collect(req, first, n, rc)
+
+    def _put(self, i: int, seq: int, tokens: list[int], pos: int, *, logits: bool, last: bool = False) -> int:
+        """Write ``tokens`` of ``seq`` from position ``pos`` at batch index ``i``; logits for all, or for the last if ``last``."""
+        b = self._batch
+        for j, t in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i] = t, pos + j, 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = 1 if logits or (last and j == len(tokens) - 1) else 0
+            i += 1
+        return i
+
+    def _fillers(self, call: list[Piece], kind: CallKind) -> list[tuple[int, int]]:
+        """(sequence, position) of a filler for each idle sequence between the call's steps, where it pays; all or none."""
+        if kind not in (CallKind.STEPS, CallKind.STEPS_BESIDE_PROMPT):
+            return []
+        mem = llama_cpp.llama_get_memory(self.llm.ctx)
+        k, n_ctx = call[0][1], llama_cpp.llama_n_ctx_seq(self.llm.ctx)
+        gaps = [(seq, llama_cpp.llama_memory_seq_pos_max(mem, seq) + 1) for seq in fillers([r.seq for r, _ in call], self.step_cost)]
+        if any(pos + k > n_ctx for _, pos in gaps) or sum(n for _, n in call) + k * len(gaps) > self.n_ubatch:
+            return []  # a full sequence or batch keeps its gap: a micro-batch more, never a wrong cell
+        return gaps
+
+    def measure_steps(self, n_seq: int, k: int, reps: int = 3) -> list[float]:
+        """`StepCost` of this model: the fastest of ``reps`` calls of ``k``-token steps in sequences 0 ... r-1, r = 1 ... n_seq.
+
+        Run as a task: the tokens go after what each sequence holds and are removed again.
+        """
+
+        def measure(llm: llama_cpp.Llama) -> list[float]:
+            b, mem, cost = self._batch, llama_cpp.llama_get_memory(llm.ctx), []
+            for r in range(1, min(n_seq, self.n_ubatch // k) + 1):
+                best = float("inf")
+                ends = [llama_cpp.llama_memory_seq_pos_max(mem, s) + 1 for s in range(r)]
+                for _ in range(reps):
+                    for i in range(r * k):
+                        b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = 1, ends[i // k] + i % k, 1, int(i % k == k - 1)
+                        b.seq_id[i][0] = i // k
+                    b.n_tokens = r * k
+                    t0 = time.perf_counter()
+                    rc = llama_cpp.llama_decode(llm.ctx, b)
+                    best = min(best, time.perf_counter() - t0)
+                    for s in range(r):
+                        llama_cpp.llama_memory_seq_rm(mem, s, ends[s], -1)
+                    if rc != 0:
+                        raise RuntimeError(f"llama_decode returned {rc}")
+                cost.append(best)
+            return cost
+
+        return self.run(0, measure)
 
     def _collect(self, req: Request, first: int, n: int, rc: int) -> None:
         if rc != 0:

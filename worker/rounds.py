@@ -20,15 +20,28 @@ sequence (``split_equal``), so the rounds are built such that no sequence ever g
 one-token piece: every step in one call has the same size k, a prompt piece joins that
 call only when it is at least k + 2 tokens, a piece never leaves a lone last token
 behind (`worker.llama_state.batch_sizes`' rule), and steps of one token (``single`` or
-``settle`` mode) never share a call with a prompt: beside them ``split_equal`` would cut
-the prompt into one-token micro-batches, each computed as a single row. The start-up
+``settle`` mode) never share a call with a prompt: ``split_equal`` would put the prompt's
+first token in the steps' micro-batch as a single row. The start-up
 checks and ``tests/worker/test_batched.py`` compare every case with a cold evaluation bit
 for bit.
+
+**Fillers.** With a KV stream per sequence, llama.cpp cuts a batch into micro-batches of
+*consecutive* sequence ids (``split_equal`` with ``sequential``), and each micro-batch
+reads the weights once. Steps of sequences 0 and 2 are two micro-batches; with a filler
+token in idle sequence 1 (decoded at its end and removed at once, so its cells and their
+places are as before) they are one. Whether the extra row costs less than the second
+pass over the weights depends on the model: measured at start-up (`StepCost`), a filler
+pays on the 1.1B f16 bench model (3 rows in one micro-batch 68 ms against 117 ms for two
+of one) and not on SmolLM2 (16 against 12 ms) (``docs/bench/rounds-2026-12-06``).
+A prompt piece gains nothing from sharing a call with steps: its tokens go in
+micro-batches of their own whatever the call (measured, same page), so `plan_round`
+shares a call only where the sizes allow it.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -137,3 +150,32 @@ def prompt_piece(left: int, budget: int) -> int:
     if left - n == 1:
         n -= 1
     return n
+
+
+StepCost = Sequence[float]
+"""Seconds of one call of steps held by r consecutive sequences in one micro-batch, at index r - 1 (measured at start-up)."""
+
+
+def fillers(seqs: list[int], cost: StepCost | None) -> list[int]:
+    """The idle sequences to give a filler token, so that the steps of ``seqs`` go in one micro-batch; [] where that costs more.
+
+    ``seqs`` are the sequences whose steps one call holds. Without fillers each run of
+    consecutive ids is a micro-batch of its own; with them the span from the first to the
+    last is one (see the module's doc).
+    """
+    if not cost or len(seqs) < 2:
+        return []
+    order = sorted(seqs)
+    gaps = [s for s in range(order[0], order[-1] + 1) if s not in set(order)]
+    if not gaps or order[-1] - order[0] >= len(cost):
+        return []
+    runs, run = [], 1
+    for a, b in zip(order, order[1:], strict=False):
+        if b == a + 1:
+            run += 1
+        else:
+            runs.append(run)
+            run = 1
+    runs.append(run)
+    apart = sum(cost[r - 1] for r in runs)
+    return gaps if cost[order[-1] - order[0]] < apart else []

@@ -180,6 +180,29 @@ def test_a_cancelled_sequence_leaves_the_others_bits_unchanged(engines: list[Eng
         assert np.array_equal(answers[i].logits, ref_logits) and answers[i].tokens == ref_tokens
 
 
+def test_steps_of_sequences_apart_share_one_pass_with_a_filler_and_keep_every_sequences_bits(
+    engines: list[Engine], cold: llama_cpp.Llama
+) -> None:
+    loop = engines[0].llm.loop
+    idle = cold.tokenize(prompt_text(43, 120).encode())
+    first = ask(engines[1], idle)  # sequence 1 holds a prompt and its answer, and stays idle while 0 and 2 decode
+    before, loop.step_cost, filled = loop.step_cost, [1.0, 1.01, 1.02, 1.03], loop.filled  # a filler always pays
+    try:
+        texts = prompts(5, 2, cold)
+        answers = together([lambda: ask(engines[0], texts[0], n=30), lambda: ask(engines[2], texts[1], n=30)])
+    finally:
+        loop.step_cost = before
+    assert loop.filled > filled
+    for t, a in zip(texts, answers, strict=True):
+        ref_logits, ref_tokens = cold_answer(cold, t, 30)
+        assert np.array_equal(a.logits, ref_logits) and a.tokens == ref_tokens
+    follow = [*idle, *first.tokens, *cold.tokenize(b" Say more.", add_bos=False)]
+    again = ask(engines[1], follow)  # the fillers' cells are gone: sequence 1 resumes from all it held, to the bit
+    assert again.cached_context >= first.held
+    ref_logits, ref_tokens = cold_answer(cold, follow)
+    assert np.array_equal(again.logits, ref_logits) and again.tokens == ref_tokens
+
+
 def test_a_restore_into_one_sequence_while_three_decode(engines: list[Engine], cold: llama_cpp.Llama) -> None:
     shared = cold.tokenize(prompt_text(41, 400).encode())
     ask(engines[0], shared)  # publishes the prompt's chunks and tail

@@ -9,7 +9,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.rounds import CallKind, Request, call_kinds, plan_round
+from worker.rounds import CallKind, Request, call_kinds, fillers, plan_round
 
 
 def _steps(size: int, seqs: range) -> list[Request]:
@@ -33,6 +33,24 @@ def test_rounds_of_steps_alone_and_of_a_prompt_alone() -> None:
     assert call_kinds(plan_round(_steps(1, range(4)), n_ubatch=512, prefill_chunk=32)) == [CallKind.STEPS]
     alone = plan_round([Request(seq=0, tokens=list(range(600)), pos=0)], n_ubatch=512, prefill_chunk=32)
     assert [n for c in alone for _, n in c] == [512] and call_kinds(alone) == [CallKind.PROMPT]
+
+
+# The start-up costs of steps in 1 ... 4 consecutive sequences, ms (docs/bench/rounds-2026-12-06).
+WEIGHT_BOUND = [58.4, 63.7, 68.3, 74.3]  # the 1.1B f16 bench model: a row more costs little beside a pass over the weights
+ROW_BOUND = [6.4, 12.6, 15.7, 19.3]  # SmolLM2: a row more costs more than a second pass
+
+
+def test_idle_sequences_between_steps_get_fillers_where_one_pass_costs_less_than_two() -> None:
+    assert fillers([0, 2], WEIGHT_BOUND) == [1]
+    assert fillers([3, 0], WEIGHT_BOUND) == [1, 2]
+    assert fillers([0, 1, 3], WEIGHT_BOUND) == [2]
+
+
+def test_no_fillers_where_rows_cost_more_than_passes_or_nothing_is_apart() -> None:
+    assert fillers([0, 2], ROW_BOUND) == []
+    assert fillers([0, 1, 2], WEIGHT_BOUND) == []  # one micro-batch already
+    assert fillers([1], WEIGHT_BOUND) == [] and fillers([0, 2], None) == []
+    assert fillers([0, 5], WEIGHT_BOUND) == []  # a span larger than was measured
 
 
 @st.composite
