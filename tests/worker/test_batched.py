@@ -184,11 +184,11 @@ def test_steps_of_sequences_apart_share_one_pass_with_a_filler_and_keep_every_se
     engines: list[Engine], cold: llama_cpp.Llama
 ) -> None:
     loop = engines[0].llm.loop
-    idle = cold.tokenize(prompt_text(43, 120).encode())
+    idle = cold.tokenize(prompt_text(47, 120).encode())
     first = ask(engines[1], idle)  # sequence 1 holds a prompt and its answer, and stays idle while 0 and 2 decode
     before, loop.step_cost, filled = loop.step_cost, [1.0, 1.01, 1.02, 1.03], loop.filled  # a filler always pays
     try:
-        texts = prompts(5, 2, cold)
+        texts = prompts(6, 2, cold)
         answers = together([lambda: ask(engines[0], texts[0], n=30), lambda: ask(engines[2], texts[1], n=30)])
     finally:
         loop.step_cost = before

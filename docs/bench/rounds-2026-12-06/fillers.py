@@ -14,8 +14,9 @@ import time
 
 import numpy as np
 
-from worker.context import Context
-from worker.settings import WorkerSettings
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
+from worker.context import Context  # noqa: E402
+from worker.settings import WorkerSettings  # noqa: E402
 
 STEPS, PROMPT = 24, 300
 SETS = ([0, 1], [0, 2], [0, 3], [0, 1, 3], [0, 1, 2, 3])

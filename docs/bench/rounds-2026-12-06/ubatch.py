@@ -7,29 +7,22 @@ import time
 import llama_cpp
 import numpy as np
 
-sys.path.insert(0, "/work/main")
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
+from batch import fill, new_batch  # noqa: E402
+
 from worker.context import open_llama
 
 model, n_threads = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2
 llm = open_llama(model, flash_attn=False, n_ctx=2048, n_batch=512, n_threads=n_threads, n_threads_batch=n_threads, n_seq=4)
 ctx = llm.ctx
 mem = llama_cpp.llama_get_memory(ctx)
-b = llama_cpp.llama_batch_init(512, 0, 1)
+b = new_batch()
 rng = np.random.default_rng(0)
 NP = int(sys.argv[3]) if len(sys.argv) > 3 else 1000
 
 
 def decode(items):  # items: (seq, tokens, pos0)
-    i = 0
-    for seq, toks, p0 in items:
-        for j, t in enumerate(toks):
-            b.token[i] = t
-            b.pos[i] = p0 + j
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = seq
-            b.logits[i] = 1 if j == len(toks) - 1 else 0
-            i += 1
-    b.n_tokens = i
+    fill(b, items)
     t0 = time.perf_counter()
     rc = llama_cpp.llama_decode(ctx, b)
     dt = time.perf_counter() - t0

@@ -7,7 +7,9 @@ import llama_cpp
 import llama_cpp._internals as li
 import numpy as np
 
-sys.path.insert(0, "/work/main")
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
+from batch import fill, new_batch  # noqa: E402
+
 from worker.context import open_llama
 
 model = sys.argv[1]
@@ -22,20 +24,11 @@ def ctx(n_seq, unified):
     return llm
 
 
-b = llama_cpp.llama_batch_init(512, 0, 1)
+b = new_batch()
 
 
 def decode(llm, items):
-    i = 0
-    for seq, toks, p0 in items:
-        for j, t in enumerate(toks):
-            b.token[i] = t
-            b.pos[i] = p0 + j
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = seq
-            b.logits[i] = 1 if j == len(toks) - 1 else 0
-            i += 1
-    b.n_tokens = i
+    i = fill(b, items)
     assert llama_cpp.llama_decode(llm.ctx, b) == 0
     nv = llm.n_vocab()
     return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, i - 1), shape=(nv,)).copy()
