@@ -31,8 +31,8 @@ reads the weights once. Steps of sequences 0 and 2 are two micro-batches; with a
 token in idle sequence 1 (decoded at its end and removed at once, so its cells and their
 places are as before) they are one. Whether the extra row costs less than the second
 pass over the weights depends on the model: measured at start-up (`StepCost`), a filler
-pays on the 1.1B f16 bench model (3 rows in one micro-batch 68 ms against 117 ms for two
-of one) and not on SmolLM2 (16 against 12 ms) (``docs/bench/rounds-2026-12-06``).
+pays on the 1.1B f16 bench model (3 rows in one micro-batch 69 ms against 117 ms for two
+of one) and not on SmolLM2 (17 against 13 ms) (``docs/bench/rounds-2026-12-06/fillers-*.txt``).
 A prompt piece gains nothing from sharing a call with steps: its tokens go in
 micro-batches of their own whatever the call (measured, same page), so `plan_round`
 shares a call only where the sizes allow it.
@@ -44,6 +44,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from itertools import groupby
 
 import numpy as np
 
@@ -166,16 +167,9 @@ def fillers(seqs: list[int], cost: StepCost | None) -> list[int]:
     if not cost or len(seqs) < 2:
         return []
     order = sorted(seqs)
-    gaps = [s for s in range(order[0], order[-1] + 1) if s not in set(order)]
-    if not gaps or order[-1] - order[0] >= len(cost):
+    span = order[-1] - order[0] + 1
+    if span == len(order) or span > len(cost):
         return []
-    runs, run = [], 1
-    for a, b in zip(order, order[1:], strict=False):
-        if b == a + 1:
-            run += 1
-        else:
-            runs.append(run)
-            run = 1
-    runs.append(run)
-    apart = sum(cost[r - 1] for r in runs)
-    return gaps if cost[order[-1] - order[0]] < apart else []
+    runs = [len(list(run)) for _, run in groupby(enumerate(order), key=lambda e: e[1] - e[0])]
+    held = set(order)
+    return [s for s in range(order[0], order[-1] + 1) if s not in held] if cost[span - 1] < sum(cost[r - 1] for r in runs) else []

@@ -35,9 +35,9 @@ def test_rounds_of_steps_alone_and_of_a_prompt_alone() -> None:
     assert [n for c in alone for _, n in c] == [512] and call_kinds(alone) == [CallKind.PROMPT]
 
 
-# The start-up costs of steps in 1 ... 4 consecutive sequences, ms (docs/bench/rounds-2026-12-06).
-WEIGHT_BOUND = [58.4, 63.7, 68.3, 74.3]  # the 1.1B f16 bench model: a row more costs little beside a pass over the weights
-ROW_BOUND = [6.4, 12.6, 15.7, 19.3]  # SmolLM2: a row more costs more than a second pass
+# The start-up costs of steps in 1 ... 4 consecutive sequences, ms (docs/bench/rounds-2026-12-06/fillers-*.txt).
+WEIGHT_BOUND = [58.5, 63.1, 69.1, 76.6]  # the 1.1B f16 bench model: a row more costs little beside a pass over the weights
+ROW_BOUND = [6.4, 13.6, 16.6, 19.8]  # SmolLM2: a row more costs more than a second pass
 
 
 def test_idle_sequences_between_steps_get_fillers_where_one_pass_costs_less_than_two() -> None:
