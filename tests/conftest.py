@@ -129,4 +129,4 @@ def start_worker(pool_env: dict[str, str], redis_url: str, tmp_path: Path) -> It
 @pytest.fixture(scope="session")
 def cold_llm(tiny_model: Path) -> llama_cpp.Llama:
     """The tiny model in this process, with the workers' KV layout, for cold reference runs."""
-    return llama_cpp.Llama(str(tiny_model), n_ctx=2048, n_threads=1, verbose=False, flash_attn=False)
+    return llama_cpp.Llama(str(tiny_model), n_ctx=2048, n_threads=1, verbose=False, flash_attn=True)

@@ -192,7 +192,9 @@ class PoolClient:
 
     def __init__(self, conn: redis.Redis, model: Path, n_ctx: int = 2048) -> None:
         self.conn = conn
-        self.settings = WorkerSettings(chunk_size=POOL_CHUNK, n_ctx=n_ctx)
+        self.settings = WorkerSettings(
+            model=str(model), chunk_size=POOL_CHUNK, n_ctx=n_ctx
+        )  # the model: what the namespace is resolved for
         self.fingerprint = fingerprint_file(model)
         self.vocab = llama_cpp.Llama(str(model), vocab_only=True, verbose=False)
 

@@ -12,6 +12,8 @@ code with one sequence.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -27,31 +29,62 @@ AUTO_SEQUENCES = 4
 """``KVPOOL_PARALLEL`` = 0 gives a model whose cache keeps one cell per token this many sequences (llama-server's default slots)."""
 
 
-def sequences_for(model_path: str | Path, parallel: int) -> int:
-    """``KVPOOL_PARALLEL`` resolved for a model: as set, or for 0, `AUTO_SEQUENCES` where the cache keeps one cell per token, else 1.
+@dataclass(frozen=True)
+class CacheTraits:
+    """What a model's header says of its cache, for the defaults chosen by model."""
 
-    Sliding-window, recurrent and hybrid memories are stored as whole checkpoints, which
-    need one sequence (`worker.checkpoints`); encoder-decoder and multi-dimensional
-    position models share nothing. Read from the model's header alone (no weights loaded; a
-    model loaded for its vocabulary has no hyperparameters, so the window is its header's key).
-    """
-    if parallel:
-        return parallel
-    vocab = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
+    per_token: bool
+    """The cache keeps one cell per token (not sliding-window, recurrent, hybrid, encoder or multi-dimensional positions)."""
+    sliding: bool
+    """Some layers attend over a sliding window: their cells live in a ring, so a restored state's cells sit elsewhere."""
+
+
+@cache
+def cache_traits(model_path: str) -> CacheTraits:
+    """Read from the model's header alone (no weights loaded; a model loaded for its vocabulary has no hyperparameters, so the window is its header's key)."""
+    vocab = llama_cpp.Llama(model_path, vocab_only=True, verbose=False)
     try:
         m, meta = vocab.model, vocab.metadata
-        window = meta.get(f"{meta.get('general.architecture', '')}.attention.sliding_window", "0")
+        sliding = int(meta.get(f"{meta.get('general.architecture', '')}.attention.sliding_window", "0") or 0) > 0
         per_token = not (
             llama_cpp.llama_model_is_recurrent(m)
             or llama_cpp.llama_model_is_hybrid(m)
-            or int(window or 0) > 0
+            or sliding
             or llama_cpp.llama_model_has_encoder(m)
             or llama_cpp.llama_model_rope_type(m)
             in (llama_cpp.LLAMA_ROPE_TYPE_MROPE, llama_cpp.LLAMA_ROPE_TYPE_IMROPE, llama_cpp.LLAMA_ROPE_TYPE_VISION)
         )
     finally:
         vocab.close()
-    return AUTO_SEQUENCES if per_token else 1
+    return CacheTraits(per_token=per_token, sliding=sliding)
+
+
+def sequences_for(model_path: str | Path, parallel: int) -> int:
+    """``KVPOOL_PARALLEL`` resolved for a model: as set, or for 0, `AUTO_SEQUENCES` where the cache keeps one cell per token, else 1.
+
+    Sliding-window, recurrent and hybrid memories are stored as whole checkpoints, which
+    need one sequence (`worker.checkpoints`); encoder-decoder and multi-dimensional
+    position models share nothing.
+    """
+    if parallel:
+        return parallel
+    return AUTO_SEQUENCES if cache_traits(str(model_path)).per_token else 1
+
+
+def flash_attn_for(model_path: str | Path, flash_attn: bool | None) -> bool:
+    """``KVPOOL_FLASH_ATTN`` resolved for a model: as set, or unset, on unless some layers attend over a sliding window.
+
+    Flash attention sums a row's cells in tiles of 64 by where they sit in the cache
+    (`deploy/patches/flash-attn-rows.patch`). Where every cell sits at its position, as in
+    a cache of one cell per token restored in position order, that is the cold bits; a
+    sliding window's ring puts a restored checkpoint's cells elsewhere than a cold
+    evaluation did, and the answer after it differed from the cold one (a synthetic
+    sliding-window model, `tests/worker/test_checkpoints.py`), so such models keep the two
+    matrix products, which did not.
+    """
+    if flash_attn is not None:
+        return flash_attn
+    return not cache_traits(str(model_path)).sliding
 
 
 class Context:
@@ -61,7 +94,7 @@ class Context:
         self.n_seq, self.n_ctx = sequences_for(model_path, settings.parallel), settings.n_ctx
         self.llm = open_llama(
             model_path,
-            flash_attn=settings.flash_attn,
+            flash_attn=flash_attn_for(model_path, settings.flash_attn),
             type_k=settings.type_k,
             type_v=settings.type_v,
             n_ctx=settings.n_ctx,

@@ -19,7 +19,7 @@ tokens. Three ways to decode, chosen at start-up by measuring them on the loaded
   again together with the new one, a two-token batch, so every cell comes from the
   batched kernels: exact wherever prompt batches are, at the price of a second token
   per step.
-* `DecodeMode.SETTLE`: neither is exact (a GPU backend, f16 with flash attention, a
+* `DecodeMode.SETTLE`: neither is exact (a GPU backend, f16 with a stock build's flash attention, a
   forced mode that failed its check). Generated cells are never reused or published as
   they are; the worker evaluates the completion again as prompt once the worker idles
   (`worker.engine.Engine.settle`), as every engine before exact decoding did.

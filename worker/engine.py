@@ -22,8 +22,8 @@ The answer does not depend on what was reused. For a given prompt, model and KV 
 the first sampled token's logits are the same bits whether the prefix came from this
 context, from the store or from a cold evaluation, and whatever the prompt's length:
 llama.cpp's CPU kernels give the same bits for any split into batches of two or more
-tokens. The start-up self-check reports whether a layout keeps this promise (f16 with
-flash attention picks llama.cpp's tiled kernel by batch size, and does not), and
+tokens. The start-up self-check reports whether a layout keeps this promise (stock
+llama.cpp's f16 flash attention picks its kernel by batch size, and does not), and
 `worker.decoding.choose_mode` whether generated tokens can be decoded exactly.
 
 The store never fails a job: an unreachable store means a cold evaluation, a bad blob

@@ -16,7 +16,9 @@ environment at large:
   AVX2 = 1 | F16C = 1 | FMA = 1 | AVX512 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 |``.
   Features that say how work is spread over threads (``OPENMP``; thread counts, which
   some builds print first) are left out: every element is computed by one thread
-  whatever their number. A feature reported as ``0`` (older builds) is absent.
+  whatever their number. A feature reported as ``0`` (older builds) is absent. A build
+  with ``deploy/patches/flash-attn-rows.patch`` reports ``FA_ROWS = 1``: its flash
+  attention computes other bits than a stock build's, so their chunks stay apart.
 * the devices other than the CPU (GPUs, accelerators such as BLAS) and how many
   layers are offloaded, when the library can offload at all;
 * the switches llama.cpp's CPU backend reads once at start-up that choose other

@@ -63,7 +63,17 @@ def namespace_for(settings: WorkerSettings, model_fingerprint: str, tenant_salt:
     kernels = kernels_field(worker_kernels(settings), settings.share_across_kernels)
     return Namespace(
         model_fingerprint,
-        cache_format(settings.type_k, settings.type_v, settings.flash_attn, kernels, checkpoints=checkpoints),
+        cache_format(settings.type_k, settings.type_v, _flash_attn(settings), kernels, checkpoints=checkpoints),
         settings.chunk_size,
         tenant_salt,
     )
+
+
+def _flash_attn(settings: WorkerSettings) -> bool:
+    """``KVPOOL_FLASH_ATTN`` as the worker resolves it (`worker.context.flash_attn_for`): unset, by the model."""
+    if settings.flash_attn is not None:
+        return settings.flash_attn
+    from worker.context import flash_attn_for
+    from worker.models.fetch import resolve_model
+
+    return flash_attn_for(resolve_model(settings), None)

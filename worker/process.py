@@ -47,7 +47,7 @@ from store.errors import StoreError
 from store.store import Store
 from worker import jobs, metrics
 from worker.advert import withdraw
-from worker.context import sequences_for
+from worker.context import flash_attn_for, sequences_for
 from worker.cpus import available_cpus, openmp_wait
 from worker.engine import Engine
 from worker.health import Health, self_check_outcome, serve
@@ -138,7 +138,9 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
 def _start(settings: WorkerSettings, health: Health) -> tuple[list[KvpoolWorker], list[Engine]]:
     """The sequences' RQ workers (their names claimed) and engines (the model loaded, the start-up checks run)."""
     model = resolve_model(settings)
-    settings = settings.model_copy(update={"parallel": sequences_for(model, settings.parallel)})  # 0: chosen for the model
+    settings = settings.model_copy(  # 0 and unset: chosen for the model
+        update={"parallel": sequences_for(model, settings.parallel), "flash_attn": flash_attn_for(model, settings.flash_attn)}
+    )
     names = slot_names(settings.worker_name or f"{socket.gethostname()}-{os.getpid()}", settings.parallel)
     workers = [_wait_for_redis(lambda n=n: build_worker(settings, n)) for n in names]
     for w in workers:

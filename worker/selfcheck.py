@@ -7,9 +7,10 @@ it into the emptied sequence, evaluate the same suffix, and compare the logits.
 
 The comparison also tells whether the layout is *exact*: a restored prefix plus a
 short suffix gives the very bits of the cold evaluation. That holds where llama.cpp's
-kernels do not depend on the batch's size (f16 without flash attention, q8_0 with it);
-f16 with flash attention switches to a tiled kernel for larger batches and is close,
-not exact. An inexact layout still restores, and says so in its metrics.
+kernels do not depend on the batch's size (f16 with or without flash attention on
+kvpool's build, q8_0 with it); stock llama.cpp's f16 flash attention picks its kernel by
+the batch's size (``deploy/patches/flash-attn-rows.patch`` says how) and is close, not
+exact. An inexact layout still restores, and says so in its metrics.
 """
 
 from __future__ import annotations

@@ -90,7 +90,12 @@ class WorkerSettings(PoolSettings):
         description="With KVPOOL_PARALLEL > 1: how long a round waits for the sequences that just stepped to ask for their next step.",
     )
     n_gpu_layers: int = Field(0, description="Layers offloaded to a GPU, when llama.cpp was built with one.")
-    flash_attn: bool = Field(False, description="Use flash attention (required for a quantized V cache).")
+    flash_attn: bool | None = Field(
+        None,
+        description="Use flash attention (exact at any batch size on kvpool's llama.cpp build, deploy/patches/flash-attn-rows.patch; "
+        "required for a quantized V cache). Unset: on, except for models with sliding-window layers. "
+        "False: attention as two matrix products, V stored transposed.",
+    )
     type_k: str = Field("f16", description="K cache type: f16, f32, q8_0, q4_0, ...")
     type_v: str = Field("f16", description="V cache type: f16, f32, q8_0, q4_0, ...")
     share_across_kernels: bool = Field(

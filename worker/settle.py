@@ -1,7 +1,7 @@
 """The fallback where generated tokens cannot be decoded exactly: evaluate the completion again as prompt, at idle time.
 
 On a build or layout where `worker.decoding.choose_mode` finds no exact mode (a GPU
-backend, f16 with flash attention), decoded cells are not what a cold evaluation of the
+backend, f16 with a stock build's flash attention), decoded cells are not what a cold evaluation of the
 next turn's prompt would hold. Evaluated again in prompt batches they are, and then serve
 the next turn of the chat exactly, from this context and, published, from any worker.
 It is idle-time work: it starts only after the worker has had no job waiting for

@@ -41,7 +41,7 @@ def pool(redis_server, s3_server, smollm2, tmp_path_factory) -> Iterator[Pool]:
 @pytest.fixture(scope="module")
 def smol_llm(smollm2: Path) -> llama_cpp.Llama:
     """SmolLM2 in this process, with the workers' KV layout, for cold reference runs."""
-    return llama_cpp.Llama(str(smollm2), n_ctx=2048, n_threads=1, verbose=False, flash_attn=False)
+    return llama_cpp.Llama(str(smollm2), n_ctx=2048, n_threads=1, verbose=False, flash_attn=True)
 
 
 @pytest.fixture(scope="module")

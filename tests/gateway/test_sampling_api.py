@@ -18,7 +18,7 @@ PROMPT = "Here is a list of fruits: apple, banana, cherry, apple, banana, cherry
 @pytest.fixture(scope="module")
 def smol_llm(smollm2: Path) -> llama_cpp.Llama:
     """SmolLM2 in this process, with the workers' KV layout, for cold reference runs."""
-    return llama_cpp.Llama(str(smollm2), n_ctx=2048, n_threads=1, verbose=False, flash_attn=False)
+    return llama_cpp.Llama(str(smollm2), n_ctx=2048, n_threads=1, verbose=False, flash_attn=True)
 
 
 def cold_text(llm: llama_cpp.Llama, tokens: list[int], n: int, **sampling: float) -> str:

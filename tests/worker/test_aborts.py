@@ -51,7 +51,7 @@ def engines(smollm2: Path) -> Iterator[list[Engine]]:
 
 @pytest.fixture(scope="module")
 def cold(smollm2: Path) -> llama_cpp.Llama:
-    return open_llama(smollm2, flash_attn=False, n_ctx=N_CTX, n_threads=2)
+    return open_llama(smollm2, flash_attn=True, n_ctx=N_CTX, n_threads=2)
 
 
 def prompt(cold: llama_cpp.Llama, seed: int, tokens: int) -> list[int]:

@@ -113,7 +113,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, smoll
 @pytest.fixture(scope="module")
 def cold(smollm2: Path) -> llama_cpp.Llama:
     """A context of its own: the reference every batched answer is compared with."""
-    return open_llama(smollm2, flash_attn=False, n_ctx=1024, n_threads=2)
+    return open_llama(smollm2, flash_attn=True, n_ctx=1024, n_threads=2)
 
 
 def cold_answer(cold: llama_cpp.Llama, tokens: list[int], n: int = N) -> tuple[np.ndarray, list[int]]:

@@ -35,9 +35,10 @@ pytestmark = pytest.mark.fp_path
 CHUNK = 64
 
 
-@pytest.fixture(scope="module")
-def llm(smollm2: Path) -> Iterator[llama_cpp.Llama]:
-    made = open_llama(smollm2, flash_attn=False, n_ctx=1024, n_threads=2, n_threads_batch=2)
+@pytest.fixture(scope="module", params=[True, False], ids=["flash", "no-flash"])
+def llm(smollm2: Path, request: pytest.FixtureRequest) -> Iterator[llama_cpp.Llama]:
+    """SmolLM2 with flash attention (the workers' default; exact at any batch size on kvpool's build) and without."""
+    made = open_llama(smollm2, flash_attn=request.param, n_ctx=1024, n_threads=2, n_threads_batch=2)
     yield made
     made.close()
 
@@ -78,6 +79,7 @@ def test_a_rows_logits_are_the_same_bits_whether_one_row_or_many_are_computed(ll
 
 @pytest.fixture(scope="module")
 def gemma3_llm(gemma3: Path) -> Iterator[llama_cpp.Llama]:
+    # flash attention off, as workers open a sliding-window model (`worker.context.flash_attn_for`)
     made = open_llama(gemma3, flash_attn=False, n_ctx=1024, n_threads=2, n_threads_batch=2)
     yield made
     made.close()

@@ -12,7 +12,7 @@ def test_same_settings_same_namespace() -> None:
     assert a.key == b.key
 
 
-@pytest.mark.parametrize("change", [{"type_k": "q8_0", "type_v": "q8_0", "flash_attn": True}, {"flash_attn": True}, {"chunk_size": 128}])
+@pytest.mark.parametrize("change", [{"type_k": "q8_0", "type_v": "q8_0", "flash_attn": True}, {"flash_attn": False}, {"chunk_size": 128}])
 def test_layout_and_chunk_size_split_namespaces(change: dict) -> None:
     base = namespace_for(WorkerSettings(chunk_size=64), "fp")
     assert namespace_for(WorkerSettings(**{"chunk_size": 64, **change}), "fp").key != base.key

@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers import PoolClient, prompt_text
 from worker.advert import adverts
-from worker.context import AUTO_SEQUENCES, sequences_for
+from worker.context import AUTO_SEQUENCES, flash_attn_for, sequences_for
 
 
 def test_a_model_with_one_cell_per_token_gets_four_sequences_and_a_checkpointed_one_gets_one(
@@ -27,6 +27,15 @@ def test_a_model_with_one_cell_per_token_gets_four_sequences_and_a_checkpointed_
     for kind, path in {**uncuttable_models, "gemma3": gemma3}.items():
         assert sequences_for(path, 0) == 1, kind
     assert sequences_for(tiny_model, 2) == 2 and sequences_for(uncuttable_models["tiny-swa"], 3) == 3, "a value set is kept"
+
+
+def test_flash_attention_is_on_by_default_except_where_a_sliding_window_moves_restored_cells(
+    tiny_model: Path, smollm2: Path, uncuttable_models: dict[str, Path], gemma3: Path
+) -> None:
+    on = {"tiny": tiny_model, "smollm2": smollm2, "recurrent": uncuttable_models["tiny-ssm"], "hybrid": uncuttable_models["tiny-hybrid"]}
+    assert all(flash_attn_for(path, None) for path in on.values())
+    assert not flash_attn_for(uncuttable_models["tiny-swa"], None) and not flash_attn_for(gemma3, None), "sliding-window models"
+    assert flash_attn_for(gemma3, True) and not flash_attn_for(smollm2, False), "a value set is kept"
 
 
 def test_a_worker_started_with_the_default_serves_four_requests_at_once(

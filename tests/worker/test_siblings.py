@@ -53,7 +53,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, smoll
 
 @pytest.fixture(scope="module")
 def cold(smollm2: Path) -> llama_cpp.Llama:
-    return open_llama(smollm2, flash_attn=False, n_ctx=2048, n_threads=2)
+    return open_llama(smollm2, flash_attn=True, n_ctx=2048, n_threads=2)
 
 
 def ask(
