@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import SMOL, Tenancy, counter, openai_client
+from worker.context import flash_attn_for
 
 ROOT = Path(__file__).resolve().parents[2]
 TASK_DIR = Path(__file__).resolve().parent / "lm_eval_task"
@@ -84,7 +85,9 @@ def test_lm_eval_accuracy_equals_in_process_scoring(smol_pool, smollm2, monkeypa
     assert tokenizer_info_answers(smol_pool) > asked_before  # lm-eval chose the server's own tokenizer
 
     docs = json.loads((TASK_DIR / "kvpool_mc.json").read_text())
-    llm = llama_cpp.Llama(str(smollm2), n_ctx=512, n_threads=1, verbose=False, logits_all=True)  # 2 threads crawl on a busy machine
+    llm = llama_cpp.Llama(
+        str(smollm2), n_ctx=512, n_threads=1, verbose=False, logits_all=True, flash_attn=flash_attn_for(smollm2, None)
+    )  # 2 threads crawl on a busy machine
     expected = []
     by_doc = {s["doc_id"]: s for s in out["samples"]["kvpool_mc"]}
     for i, doc in enumerate(docs):
