@@ -25,6 +25,7 @@ ENGINE_SIDE = {
     "worker.engine",
     "worker.prefix",
     "worker.llama_state",
+    "worker.kvcache",
     "worker.kvchunks",
     "worker.process",
     "worker.registration",

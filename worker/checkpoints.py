@@ -1,6 +1,6 @@
 """Whole-state checkpoints on the worker: saving them while a prompt is evaluated, restoring one, and proving it exact.
 
-For memories that cannot be cut into per-token cells (`worker.llama_state.ContextCache`,
+For memories that cannot be cut into per-token cells (`worker.kvcache.ContextCache`,
 ``checkpoints``): a sliding-window cache holds only the window's cells in its second
 section, a recurrent memory one fixed block per sequence, a hybrid both. The state after
 the first ``k`` chunks depends on those tokens alone, so a worker evaluating a prompt stops

@@ -20,7 +20,7 @@ from typing import Any
 import llama_cpp
 import llama_cpp._internals as llama_internals
 
-from worker.llama_state import cache_type_id, is_quantized
+from worker.kvcache import cache_type_id, is_quantized
 from worker.loop import EngineLoop
 from worker.sequence import SeqView
 from worker.settings import WorkerSettings

@@ -13,14 +13,16 @@ import numpy as np
 
 from store.chain import PrefixKey, extend_chain, prefix_namespace
 from store.tails import common_prefix
-from worker.llama_state import ContextCache, Llama, seq_positions
+from worker.kvcache import ContextCache
+from worker.llama_state import Llama, seq_positions
+from worker.sequence import SeqView
 
 
 @dataclass
 class Held:
     """What one sequence's context holds that a job may keep."""
 
-    llm: Llama
+    llm: SeqView
     kv: ContextCache
     tenant: str | None = None
     """The tenant whose prompts filled the context: a hit across tenants would leak prompts through timing."""

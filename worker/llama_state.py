@@ -1,190 +1,73 @@
-"""Read and restore one sequence's KV state through llama-cpp-python's low-level bindings.
+"""Move one sequence's KV state in and out of a context, and evaluate prompts, through llama-cpp-python.
 
 The byte layout of the state and how it is cut into chunks is :mod:`worker.kvchunks`'s
-business; this module only moves blobs in and out of a ``llama_cpp.Llama`` and reports
-the facts about its KV cache that decide whether and how chunks may be shared.
+business, the facts about a context's KV cache :mod:`worker.kvcache`'s; this module
+only moves blobs in and out of a context and decodes prompts into it.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
-import re
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from functools import singledispatch
 from typing import Any, TypeAlias
 
 import llama_cpp
 import numpy as np
 
 from worker.errors import StateReadError, StateRestoreError
-from worker.kvstate import (
-    GGML_BLOCKS,
-    GGML_TYPE_BF16,
-    GGML_TYPE_F16,
-    GGML_TYPE_F32,
-    GGML_TYPE_IQ4_NL,
-    GGML_TYPE_Q4_0,
-    GGML_TYPE_Q4_1,
-    GGML_TYPE_Q5_0,
-    GGML_TYPE_Q5_1,
-    GGML_TYPE_Q8_0,
-    Buffer,
-    CellFormat,
-    StateFormatError,
-    describe_state,
-    state_cell_count,
-)
+from worker.kvstate import Buffer, StateFormatError, describe_state, state_cell_count
 from worker.sequence import SeqView
 
 Llama: TypeAlias = llama_cpp.Llama | SeqView
-"""A context of its own, or one sequence of a shared one (`worker.sequence`)."""
+"""A context of its own, or one sequence of a shared one (`worker.sequence`).
 
-CACHE_TYPES: dict[str, int] = {
-    "f32": GGML_TYPE_F32,
-    "f16": GGML_TYPE_F16,
-    "bf16": GGML_TYPE_BF16,
-    "q8_0": GGML_TYPE_Q8_0,
-    "q4_0": GGML_TYPE_Q4_0,
-    "q4_1": GGML_TYPE_Q4_1,
-    "q5_0": GGML_TYPE_Q5_0,
-    "q5_1": GGML_TYPE_Q5_1,
-    "iq4_nl": GGML_TYPE_IQ4_NL,
-}
-CACHE_TYPE_NAMES = {v: k for k, v in CACHE_TYPES.items()}
-
-ATTN_ROT_ENV = "LLAMA_ATTN_ROT_DISABLE"
-"""llama.cpp reads this when it creates a context; it changes the bytes of a quantized cache."""
+Workers only ever hold views; a context of its own is what cold references, the
+in-process bench and the tests open. The functions below that read or change a
+sequence's cells are written once per kind (``functools.singledispatch``): for a
+context of its own they call llama.cpp on sequence ``seq_id``; a view's is registered
+beside it and goes through the view's loop (``seq_id`` is then the view's own, 0).
+"""
 
 
-def attn_rot_disabled() -> bool:
-    """``LLAMA_ATTN_ROT_DISABLE`` read as llama.cpp does (``atoi``): unset, empty, 0 or text leave rotation on."""
-    m = re.match(r"\s*([+-]?\d+)", os.environ.get(ATTN_ROT_ENV, ""))
-    return bool(m and int(m.group(1)))
+def _neither(llm: object) -> TypeError:
+    return TypeError(f"not a context or a sequence view: {type(llm).__name__}")
 
 
-def cache_type_id(cache_type: str | int) -> int:
-    """The ggml type id of a KV cache type given by name (``"f16"``, ``"q8_0"``, ...) or id."""
-    if isinstance(cache_type, int):
-        if cache_type not in CACHE_TYPE_NAMES:
-            raise ValueError(f"unsupported KV cache type id {cache_type}")
-        return cache_type
-    try:
-        return CACHE_TYPES[cache_type.lower()]
-    except KeyError:
-        raise ValueError(f"unsupported KV cache type {cache_type!r}; one of {sorted(CACHE_TYPES)}") from None
-
-
-def is_quantized(ggml_type: int) -> bool:
-    return GGML_BLOCKS[ggml_type][0] > 1
-
-
+@singledispatch
 def seq_positions(llm: Llama, seq_id: int = 0) -> tuple[int, int]:
-    """The first and last position a sequence's cells hold (-1, -1 when none); a view's read on its loop."""
-    if isinstance(llm, SeqView):
-        return llm.positions()
+    """The first and last position a sequence's cells hold (-1, -1 when none)."""
+    raise _neither(llm)
+
+
+@seq_positions.register
+def _(llm: llama_cpp.Llama, seq_id: int = 0) -> tuple[int, int]:
     mem = llama_cpp.llama_get_memory(llm.ctx)
     return int(llama_cpp.llama_memory_seq_pos_min(mem, seq_id)), int(llama_cpp.llama_memory_seq_pos_max(mem, seq_id))
 
 
-@dataclass(frozen=True)
-class ContextCache:
-    """Facts about a context's KV cache that decide whether (and under which key) state can be shared."""
-
-    type_k: int
-    type_v: int
-    flash_attn: bool
-    n_layer: int
-    n_embd_k_gqa: int
-    n_embd_v_gqa: int
-    attn_rot_k: bool
-    attn_rot_v: bool
-    """Hadamard rotation of a quantized cache (off under ``LLAMA_ATTN_ROT_DISABLE``): it changes the bytes."""
-    cuttable: bool
-    """The sequence state is one plain KV cache section that can be cut by position."""
-    reason: str | None
-    """Why it cannot be cut, when it cannot."""
-    prefix_reuse: bool = True
-    """The context can be cut back to a prefix of what it holds (recurrent and hybrid memories cannot)."""
-    n_swa: int = 0
-    """Tokens a sliding-window layer attends to (0: none)."""
-    checkpoints: bool = False
-    """Not cuttable, but stored whole at chunk boundaries (`worker.checkpoints`): window, recurrent, hybrid memories."""
-
-    @property
-    def v_trans(self) -> bool:
-        return not self.flash_attn
-
-    @property
-    def state_layout(self) -> CellFormat:
-        """The expected per-token layout, assuming every layer has the same K/V width."""
-        return CellFormat.uniform(self.n_layer, self.n_embd_k_gqa, self.n_embd_v_gqa, self.type_k, self.type_v)
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.state_layout.bytes_per_token
+@seq_positions.register
+def _(llm: SeqView, seq_id: int = 0) -> tuple[int, int]:
+    return llm.positions()
 
 
-def context_cache(llm: Llama) -> ContextCache:
-    """The KV layout of ``llm``'s context.
-
-    ``attn_rot_*`` reflect ``LLAMA_ATTN_ROT_DISABLE`` as it is now; llama.cpp read it when
-    the context was created, so do not change it in between.
-    """
-    model, params = llm.model, llm.context_params
-    n_head = llama_cpp.llama_model_n_head(model)
-    n_head_kv = llama_cpp.llama_model_n_head_kv(model)
-    arch = llm.metadata.get("general.architecture", "")
-    default_head = llama_cpp.llama_model_n_embd(model) // max(n_head, 1)
-    head_k = int(llm.metadata.get(f"{arch}.attention.key_length", default_head))
-    head_v = int(llm.metadata.get(f"{arch}.attention.value_length", default_head))
-    type_k, type_v = int(params.type_k), int(params.type_v)
-    flash_attn = params.flash_attn_type != llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    rot_disabled = attn_rot_disabled()
-
-    reason, whole = None, True
-    rope_type = llama_cpp.llama_model_rope_type(model)
-    recurrent, hybrid = llama_cpp.llama_model_is_recurrent(model), llama_cpp.llama_model_is_hybrid(model)
-    if recurrent:
-        reason = "recurrent state is one fixed block per sequence"
-    elif hybrid:
-        reason = "hybrid attention/recurrent memory"
-    elif llama_cpp.llama_model_n_swa(model) > 0:
-        reason = "sliding-window cache keeps only the window and writes a second section"
-    if llama_cpp.llama_model_has_encoder(model):
-        reason, whole = "encoder-decoder model", False
-    elif rope_type in (
-        llama_cpp.LLAMA_ROPE_TYPE_MROPE,
-        llama_cpp.LLAMA_ROPE_TYPE_IMROPE,
-        llama_cpp.LLAMA_ROPE_TYPE_VISION,
-    ):
-        reason, whole = "multi-dimensional positions are not one per token", False
-
-    return ContextCache(
-        type_k=type_k,
-        type_v=type_v,
-        flash_attn=flash_attn,
-        n_layer=llama_cpp.llama_model_n_layer(model),
-        n_embd_k_gqa=n_head_kv * head_k,
-        n_embd_v_gqa=n_head_kv * head_v,
-        attn_rot_k=not rot_disabled and type_k in GGML_BLOCKS and is_quantized(type_k) and head_k % 64 == 0,
-        attn_rot_v=not rot_disabled and type_v in GGML_BLOCKS and is_quantized(type_v) and head_v % 64 == 0,
-        cuttable=reason is None,
-        reason=reason,
-        prefix_reuse=not (recurrent or hybrid),
-        n_swa=max(0, int(llama_cpp.llama_model_n_swa(model))),
-        checkpoints=reason is not None and whole,
-    )
-
-
+@singledispatch
 def read_seq_state(llm: Llama, seq_id: int = 0, *, into: Callable[[int], bytearray] | None = None) -> Buffer:
     """``llama_state_seq_get_data`` for one sequence (flags 0), as a single-stream blob (`worker.sequence`).
 
     ``into(size)``: a buffer of at least ``size`` bytes to read into (`Publisher.buffer`); the result is then a view.
     """
-    if isinstance(llm, SeqView):
-        return llm.read_state(read_ctx_state, into)  # type: ignore[no-any-return]
+    raise _neither(llm)
+
+
+@read_seq_state.register
+def _(llm: llama_cpp.Llama, seq_id: int = 0, *, into: Callable[[int], bytearray] | None = None) -> Buffer:
     return read_ctx_state(llm.ctx, seq_id, into)  # type: ignore[no-any-return]
+
+
+@read_seq_state.register
+def _(llm: SeqView, seq_id: int = 0, *, into: Callable[[int], bytearray] | None = None) -> Buffer:
+    return llm.read_state(read_ctx_state, into)  # type: ignore[no-any-return]
 
 
 def read_ctx_state(ctx: Any, seq_id: int, into: Callable[[int], bytearray] | None = None) -> Any:
@@ -200,17 +83,25 @@ def read_ctx_state(ctx: Any, seq_id: int, into: Callable[[int], bytearray] | Non
     return out if len(out) == size else memoryview(out)[:size]
 
 
+@singledispatch
 def clear_seq(llm: Llama, seq_id: int = 0) -> None:
     """Remove every cell of the sequence; for sequence 0 (or a view's own) also reset the wrapper's token record."""
-    if isinstance(llm, SeqView):
-        llm.clear()
-        return
+    raise _neither(llm)
+
+
+@clear_seq.register
+def _(llm: llama_cpp.Llama, seq_id: int = 0) -> None:
     mem = llama_cpp.llama_get_memory(llm.ctx)
     if mem is not None:
         llama_cpp.llama_memory_seq_rm(mem, seq_id, -1, -1)
     if seq_id == 0:
         llm.n_tokens = 0
         llm._requires_eval = True  # generate() must decode before it samples
+
+
+@clear_seq.register
+def _(llm: SeqView, seq_id: int = 0) -> None:
+    llm.clear()
 
 
 def restore_seq_state(llm: Llama, state: Buffer, tokens: Sequence[int], seq_id: int = 0, *, check: bool = True) -> None:
@@ -236,18 +127,31 @@ def restore_seq_state(llm: Llama, state: Buffer, tokens: Sequence[int], seq_id: 
     if n == 0:
         return
 
-    if isinstance(llm, SeqView):
-        llm.write_state(write_ctx_state, state)
-    else:
-        write_ctx_state(llm.ctx, state, seq_id)
+    write_seq_state(llm, state, seq_id)
     if check:
         lo, hi = seq_positions(llm, seq_id)
         if (lo, hi) != (0, n - 1):
             clear_seq(llm, seq_id)
             raise StateRestoreError(f"restored positions {lo}..{hi}, expected 0..{n - 1}")
-    if seq_id == 0 or isinstance(llm, SeqView):
+    if seq_id == 0:
         llm.input_ids[:n] = tokens
         llm.n_tokens = n
+
+
+@singledispatch
+def write_seq_state(llm: Llama, state: Buffer, seq_id: int = 0) -> None:
+    """``llama_state_seq_set_data`` of a single-stream blob into one sequence; `restore_seq_state` checks around it."""
+    raise _neither(llm)
+
+
+@write_seq_state.register
+def _(llm: llama_cpp.Llama, state: Buffer, seq_id: int = 0) -> None:
+    write_ctx_state(llm.ctx, state, seq_id)
+
+
+@write_seq_state.register
+def _(llm: SeqView, state: Buffer, seq_id: int = 0) -> None:
+    llm.write_state(write_ctx_state, state)
 
 
 def write_ctx_state(ctx: Any, state: Buffer, seq_id: int) -> None:
@@ -296,19 +200,20 @@ def evaluate_prompt(llm: Llama, tokens: Sequence[int], start: int) -> None:
         pos += size
 
 
+@singledispatch
 def evaluate_all_logits(llm: Llama, tokens: Sequence[int]) -> Iterator[tuple[int, np.ndarray]]:
     """Decode ``tokens`` from an empty context with the logits of every position; yields (first position, logits) per batch.
 
-    The logits are a view into llama.cpp's buffer, valid until the next batch is decoded.
+    The logits are a view into llama.cpp's buffer (a view's: its own copy), valid until the next batch is decoded.
     """
+    raise _neither(llm)
+
+
+@evaluate_all_logits.register
+def _(llm: llama_cpp.Llama, tokens: Sequence[int]) -> Iterator[tuple[int, np.ndarray]]:
     n_vocab = llm.n_vocab()
     n_batch = min(llm.n_batch, int(llm.context_params.n_ubatch))
     llm.n_tokens = 0
-    if isinstance(llm, SeqView):
-        for size in batch_sizes(len(tokens), n_batch):
-            pos = llm.n_tokens
-            yield pos, llm.decode_rows(tokens[pos : pos + size])
-        return
     llm._ctx.kv_cache_seq_rm(-1, 0, -1)  # as Llama.eval does before it decodes
     pos = 0
     for size in batch_sizes(len(tokens), n_batch):
@@ -322,12 +227,29 @@ def evaluate_all_logits(llm: Llama, tokens: Sequence[int]) -> Iterator[tuple[int
     llm._requires_eval = False
 
 
+@evaluate_all_logits.register
+def _(llm: SeqView, tokens: Sequence[int]) -> Iterator[tuple[int, np.ndarray]]:
+    llm.n_tokens = 0
+    for size in batch_sizes(len(tokens), min(llm.n_batch, int(llm.context_params.n_ubatch))):
+        pos = llm.n_tokens
+        yield pos, llm.decode_rows(tokens[pos : pos + size])
+
+
+@singledispatch
 def last_logits(llm: Llama) -> np.ndarray:
     """A copy of the logits of the last decoded token (float32, one per vocabulary entry)."""
-    if isinstance(llm, SeqView):
-        return llm.logits.copy()
+    raise _neither(llm)
+
+
+@last_logits.register
+def _(llm: llama_cpp.Llama) -> np.ndarray:
     ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
     return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
+
+
+@last_logits.register
+def _(llm: SeqView) -> np.ndarray:
+    return llm.logits.copy()
 
 
 def is_end_of_generation(llm: Llama, token: int) -> bool:

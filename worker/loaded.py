@@ -21,8 +21,8 @@ from worker import metrics
 from worker.context import Context
 from worker.decoding import DecodeMode, choose_mode
 from worker.held import Held
+from worker.kvcache import CACHE_TYPE_NAMES, ContextCache, context_cache
 from worker.leases import EvalRate
-from worker.llama_state import CACHE_TYPE_NAMES, ContextCache, context_cache
 from worker.namespace import SHARED_KERNELS, cache_format, kernels_field, worker_kernels
 from worker.publisher import Publisher
 from worker.selfcheck import startup_verdict

@@ -21,8 +21,8 @@ import llama_cpp
 
 from store.chain import CHECKPOINT_EXTRA, CacheFormat, Namespace
 from worker.kernels import KernelFingerprint, library_fingerprint
+from worker.kvcache import attn_rot_disabled
 from worker.kvstate import PAYLOAD_VERSION
-from worker.llama_state import attn_rot_disabled
 from worker.settings import WorkerSettings
 
 SHARED_KERNELS = "any"

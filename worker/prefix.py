@@ -36,10 +36,11 @@ from store.tails import Hit
 from worker import metrics
 from worker.checkpoints import restore_checkpoint
 from worker.held import Held
+from worker.kvcache import ContextCache
 from worker.kvchunks import cut_state, head_cells, join_state
 from worker.kvstate import StateFormatError
 from worker.leases import Claim, EvalRate, LeaseOutcome, Leases, leased_by_others
-from worker.llama_state import ContextCache, Llama, StateReadError, StateRestoreError, read_seq_state, restore_seq_state
+from worker.llama_state import Llama, StateReadError, StateRestoreError, read_seq_state, restore_seq_state
 from worker.protocol import StoreStatus
 from worker.restore_choice import Choice, Decision, Option, RestoreRate, choose
 from worker.siblings import copy_from_sibling

@@ -22,8 +22,9 @@ import llama_cpp
 import numpy as np
 
 from worker.checkpoints import WINDOW_ALIGN, restore_checkpoint
+from worker.kvcache import ContextCache
 from worker.kvchunks import cut_state, join_state
-from worker.llama_state import ContextCache, Llama, evaluate_prompt, last_logits, read_seq_state, restore_seq_state
+from worker.llama_state import Llama, evaluate_prompt, last_logits, read_seq_state, restore_seq_state
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("kvpool.worker")

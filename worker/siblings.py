@@ -40,7 +40,7 @@ import numpy as np
 from worker import metrics
 from worker.held import Held
 from worker.llama_state import read_ctx_state, write_ctx_state
-from worker.sequence import SeqView, restream
+from worker.sequence import restream
 
 log = logging.getLogger("kvpool.worker")
 
@@ -67,7 +67,7 @@ APPLY_UPDATES = _memory_update()
 def held_for(held: Held, tenant: str, tokens: np.ndarray) -> int:
     """How many leading ``tokens`` ``held``'s sequence holds exactly for ``tenant``; read in the loop's thread."""
     view = held.llm
-    if held.tenant != tenant or not isinstance(view, SeqView):
+    if held.tenant != tenant:
         return 0
     n = min(held.exact_upto, view.n_tokens, len(tokens))
     mine = view.input_ids[:n]
@@ -82,7 +82,6 @@ def copy_from_sibling(held: Held, siblings: Sequence[Held], tenant: str, tokens:
     beyond what this sequence holds already.
     """
     view = held.llm
-    assert isinstance(view, SeqView)
     want = np.asarray(tokens[:upto], dtype=np.intc)
     have = held_for(held, tenant, want)
     others = [h for h in siblings if h is not held]
@@ -94,7 +93,7 @@ def copy_from_sibling(held: Held, siblings: Sequence[Held], tenant: str, tokens:
         src, n = max(((h, min(held_for(h, tenant, want), upto)) for h in others), key=lambda p: p[1])
         if n - have < MIN_TOKENS:
             return -1, 0, ""
-        seq = src.llm.seq  # type: ignore[union-attr]
+        seq = src.llm.seq
         view.reset()  # what this sequence held is gone from here on, whatever happens next
         held.hold(tenant, 0)
         how = "stream" if view.n_streams > 1 and copy_stream(llm, seq, view.seq) else "state"

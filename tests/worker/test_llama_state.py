@@ -24,15 +24,10 @@ import numpy as np
 import pytest
 
 from worker.context import open_llama
+from worker.kvcache import cache_type_id, context_cache
 from worker.kvchunks import cut_state, join_state
 from worker.kvstate import StateFormatError, describe_state
-from worker.llama_state import (
-    StateRestoreError,
-    cache_type_id,
-    context_cache,
-    read_seq_state,
-    restore_seq_state,
-)
+from worker.llama_state import StateRestoreError, read_seq_state, restore_seq_state
 
 CONFIGS = [("f16", False), ("f16", True), ("q8_0", True)]
 CONFIG_IDS = ["f16-noFA", "f16-FA", "q8_0-FA"]
@@ -340,3 +335,8 @@ def test_open_llama_refuses_quantized_v_without_flash_attention(tiny_model: Path
         open_llama(tiny_model, flash_attn=False, type_k="q8_0")
     with pytest.raises(ValueError):
         cache_type_id("q3_k")
+
+
+def test_a_sequence_function_given_neither_a_context_nor_a_view_names_what_it_got() -> None:
+    with pytest.raises(TypeError, match="not a context or a sequence view: str"):
+        read_seq_state("a context")  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from worker.context import open_llama
-from worker.llama_state import context_cache
+from worker.kvcache import context_cache
 from worker.selfcheck import check_restore
 
 

@@ -47,7 +47,7 @@ def measure(model: Path, parallel: int, *, threads: int, tokens: int, n_gpu_laye
     """One sequence count: its checks, tokens/s with every sequence decoding, and the answers."""
     from worker.context import Context
     from worker.decoding import choose_mode
-    from worker.llama_state import context_cache
+    from worker.kvcache import context_cache
     from worker.selfcheck import check_restore
     from worker.settings import WorkerSettings
 

@@ -27,7 +27,7 @@ from store.chain import Namespace
 from store.errors import StoreError
 from store.index import RedisIndex
 from store.settings import StoreSettings
-from worker.llama_state import ContextCache
+from worker.kvcache import ContextCache
 
 RAW_PREFIX = "bench-raw/"
 

@@ -47,7 +47,7 @@ from gateway.pool.bench.workloads import (
     build,
 )
 from gateway.pool.procs import WorkerProcess
-from worker.llama_state import context_cache
+from worker.kvcache import context_cache
 from worker.namespace import namespace_for
 
 
