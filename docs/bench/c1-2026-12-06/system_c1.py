@@ -5,7 +5,10 @@ each system started afresh and warmed up as `kvpool bench-peers` does. Printed p
 tokens/s, and the CPU seconds each process (and each thread of it, by thread id) used
 during the run, so that what is not llama.cpp's computing threads shows.
 
-    python docs/bench/c1-2026-12-06/system_c1.py LLAMA_SERVER MODEL.gguf [ROUNDS]
+    python docs/bench/c1-2026-12-06/system_c1.py LLAMA_SERVER MODEL.gguf [ROUNDS] [CLIENTS]
+
+With CLIENTS (default 1) clients, 4 requests each, against llama-server with as many
+slots as clients (`server-4` for 4) and the same default worker.
 """
 
 import os
@@ -44,15 +47,16 @@ def label(cmd: str) -> str:
 def main() -> None:
     binary, model = Path(sys.argv[1]), Path(sys.argv[2])
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    clients = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     name = model.name.removesuffix(".gguf")
     with tempfile.TemporaryDirectory() as logs:
-        found = systems(binary, model, threads=2, n_ctx=4096, logs=Path(logs), only=("server-1", "kvpool"))
+        found = systems(binary, model, threads=2, n_ctx=4096, logs=Path(logs), only=(f"server-{clients}", "kvpool"))
         for r in range(rounds):
             for system, start in found.items():
                 with start() as urls:
                     _warm_up(urls, name)
                     before, t0 = cpu_by_thread(), time.perf_counter()
-                    run = decode_run(system, urls, name, requests=4, concurrency=1, max_tokens=256)
+                    run = decode_run(system, urls, name, requests=4 * clients, concurrency=clients, max_tokens=256)
                     wall, after = time.perf_counter() - t0, cpu_by_thread()
                 used = sorted(((c - before.get(k, ("", 0.0))[1], label(cmd), k[1]) for k, (cmd, c) in after.items()), reverse=True)
                 print(f"round {r} {system}: {run.completion_tokens} tokens in {wall:.2f} s, {run.completion_tokens / wall:.1f} tokens/s")
