@@ -192,7 +192,7 @@ def evaluate_prompt(llm: Llama, tokens: Sequence[int], start: int) -> None:
     """
     if not 0 <= start < len(tokens):
         raise ValueError(f"start {start} outside the prompt of {len(tokens)} tokens")
-    n_batch = min(llm.n_batch, int(llm.context_params.n_ubatch))
+    n_batch = _batch_limit(llm)
     llm.n_tokens = start
     pos = start
     for size in batch_sizes(len(tokens) - start, n_batch):
@@ -212,7 +212,7 @@ def evaluate_all_logits(llm: Llama, tokens: Sequence[int]) -> Iterator[tuple[int
 @evaluate_all_logits.register
 def _(llm: llama_cpp.Llama, tokens: Sequence[int]) -> Iterator[tuple[int, np.ndarray]]:
     n_vocab = llm.n_vocab()
-    n_batch = min(llm.n_batch, int(llm.context_params.n_ubatch))
+    n_batch = _batch_limit(llm)
     llm.n_tokens = 0
     llm._ctx.kv_cache_seq_rm(-1, 0, -1)  # as Llama.eval does before it decodes
     pos = 0
@@ -230,7 +230,7 @@ def _(llm: llama_cpp.Llama, tokens: Sequence[int]) -> Iterator[tuple[int, np.nda
 @evaluate_all_logits.register
 def _(llm: SeqView, tokens: Sequence[int]) -> Iterator[tuple[int, np.ndarray]]:
     llm.n_tokens = 0
-    for size in batch_sizes(len(tokens), min(llm.n_batch, int(llm.context_params.n_ubatch))):
+    for size in batch_sizes(len(tokens), _batch_limit(llm)):
         pos = llm.n_tokens
         yield pos, llm.decode_rows(tokens[pos : pos + size])
 
@@ -254,6 +254,11 @@ def _(llm: SeqView) -> np.ndarray:
 
 def is_end_of_generation(llm: Llama, token: int) -> bool:
     return bool(llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(llm.model), token))
+
+
+def _batch_limit(llm: Llama) -> int:
+    """The most tokens one decode call of ``llm`` takes (its batch, at most one micro-batch)."""
+    return min(llm.n_batch, int(llm.context_params.n_ubatch))
 
 
 def _check_blob(state: Buffer, n_tokens: int) -> None:
