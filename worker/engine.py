@@ -46,7 +46,7 @@ from worker.errors import JobRejected
 from worker.held import Held
 from worker.kvstate import Buffer
 from worker.leases import Leases
-from worker.llama_state import evaluate_prompt, read_seq_state
+from worker.llama_state import evaluate_prompt, read_seq_state, readable_from
 from worker.loaded import LoadedModel
 from worker.prefix import Plan, PrefixFinder
 from worker.protocol import Breakpoint, JobResult, JobSpec, Timings, TokenEvent, Usage
@@ -84,7 +84,7 @@ class Engine:
         self.sequences.add(name)
         self._pending: tuple[Namespace, list[int], list[BlobKey], list[int]] | None = None
         """The last job's prompt, its keys and its answer, until the answer is published."""
-        self._deferred: tuple[Namespace, list[int], list[BlobKey]] | None = None
+        self._deferred: tuple[Namespace, list[int], list[BlobKey], int] | None = None
         store, settings = self.store, self.settings
         self.leases = (  # a lease names the sequence holding it
             Leases(store.index.r, name, settings.lease_s, settings.lease_wait_min_s)
@@ -299,14 +299,16 @@ class Engine:
             return
         plan.published = True
         release = self._handoff(plan)
-        state = None
+        snap = None
         if plan.store_tokens < len(tokens) or self.publisher.lacks(ns, tokens, keys, breakpoints):
-            state = self._snapshot()
-            if state is None:
+            c = ns.chunk_size  # the store held the chunks before the first it lacked when the job looked, and pins need their tails
+            snap = self._snapshot(min([plan.store_tokens // c * c, *(b.tokens // c * c for b in breakpoints)]))
+            if snap is None:
                 return release()
-        if state is None and not breakpoints:
+        if snap is None and not breakpoints:
             return release()
-        self.publisher.submit(ns, tokens, keys, state, on_done=release, breakpoints=breakpoints, recycle=state is not None)
+        state, first = snap if snap is not None else (None, 0)
+        self.publisher.submit(ns, tokens, keys, state, on_done=release, breakpoints=breakpoints, recycle=state is not None, first=first)
 
     def _publish_or_defer(self, spec: JobSpec, ns: Namespace, tokens: list[int], keys: list[BlobKey], plan: Plan) -> None:
         """At the first token: publish now if the store lacks a full chunk, else leave the tail for `after_answer`.
@@ -323,7 +325,7 @@ class Engine:
         plan.published = True
         self._handoff(plan)()
         if self.publisher is not None and plan.store_tokens < len(tokens):
-            self._deferred = (ns, tokens, keys)
+            self._deferred = (ns, tokens, keys, full)
 
     def after_answer(self) -> None:
         """Once the job's last event is out: publish what the next request may resume from.
@@ -339,22 +341,28 @@ class Engine:
             (ns, tokens, keys, generated), self._pending = self._pending, None
             held = answer_held(self.llm, tokens, generated)
             self._done_generating()
-            if held is not None:
-                deferred = (ns, held, ns.extend(keys, held)) if self.publishes_cells else None
+            if held is not None:  # the prompt's full chunks went out with its first token, or the store held them
+                deferred = (ns, held, ns.extend(keys, held), len(tokens) // ns.chunk_size * ns.chunk_size) if self.publishes_cells else None
         if deferred is None or self.publisher is None:
             return
-        state = self._snapshot()
-        if state is not None:
-            self.publisher.submit(*deferred, state, recycle=True)
+        ns, tokens, keys, start = deferred
+        if (snap := self._snapshot(start)) is not None:
+            self.publisher.submit(ns, tokens, keys, snap[0], recycle=True, first=snap[1])
 
     def _done_generating(self) -> None:
         """The loop need not wait for this sequence's next step."""
         self.llm.done_generating()
 
-    def _snapshot(self) -> Buffer | None:
-        """A copy of the sequence state for publishing, into one of the publisher's buffers, or None: publishing never fails a job."""
+    def _snapshot(self, start: int) -> tuple[Buffer, int] | None:
+        """A copy of the sequence's cells for publishing, into one of the publisher's buffers, and the position it begins at;
+        None on failure: publishing never fails a job.
+
+        It begins at ``start`` (the first chunk to publish) with kvpool's build of llama.cpp, else
+        at 0 (`worker.llama_state.readable_from`): the cells the store holds are not copied again.
+        """
+        first = readable_from(start)
         try:
-            return read_seq_state(self.llm, into=self.publisher.buffer if self.publisher else None)
+            return read_seq_state(self.llm, into=self.publisher.buffer if self.publisher else None, start=first), first
         except Exception as e:
             metrics.PUBLISH_ERRORS.labels(**self.labels, reason=type(e).__name__).inc()
             log.warning("publish.snapshot_failed", extra={"reason": str(e)})

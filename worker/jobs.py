@@ -169,7 +169,11 @@ class JobStream:
             with self._wake:
                 self._wake.wait_for(lambda: bool(self._held) or self._closed)
                 due = written_at + self.interval_s
-                self._wake.wait_for(lambda due=due: self._closed or time.monotonic() >= due, timeout=max(0.0, due - time.monotonic()))
+
+                def ready(due: float = due) -> bool:
+                    return self._closed or time.monotonic() >= due
+
+                self._wake.wait_for(ready, timeout=max(0.0, due - time.monotonic()))
                 if self._closed:
                     return
             written_at = time.monotonic()

@@ -27,8 +27,10 @@ chunks ``0..k-1`` yields the blob llama.cpp would have written for that prefix h
 cells been in position order.
 
 llama.cpp does not validate what it loads (a blob without chunk 0 is accepted and
-decodes garbage), so :func:`cut_state` and :func:`join_state` insist on positions being
-exactly ``0..N-1``.
+decodes garbage), so :func:`join_state` insists on positions being exactly ``0..N-1``, and
+:func:`cut_state` on exactly ``first..first+N-1``: ``first`` is 0 for a whole sequence's blob,
+or where a window read began (``llama_kvpool_state_window``: only the cells of the chunks a
+publisher lacks are copied), and the caller says which.
 """
 
 from __future__ import annotations
@@ -80,30 +82,33 @@ def describe_payload(payload: Buffer) -> PayloadInfo:
     return PayloadInfo(layout, n_cells, first_pos)
 
 
-def cut_state(state: Buffer, chunk_size: int, start_chunk: int = 0, stop_chunk: int | None = None) -> list[bytes]:
+def cut_state(state: Buffer, chunk_size: int, start_chunk: int = 0, stop_chunk: int | None = None, *, first: int = 0) -> list[bytes]:
     """One payload per full chunk ``start_chunk <= i < stop_chunk`` of a single-sequence blob.
 
     ``stop_chunk`` defaults to the number of full chunks; a partial last chunk is dropped.
-    The blob's positions must be exactly ``0..N-1`` (in any cell order).
+    The blob's positions must be exactly ``first..first+N-1`` (in any cell order), and the
+    chunks within them.
     """
     if chunk_size <= 0:
         raise ValueError("chunk_size must be positive")
     p = _parse_state(state)
-    n_full = p.n_cells // chunk_size
+    n_full = (first + p.n_cells) // chunk_size
     stop = n_full if stop_chunk is None else stop_chunk
-    if not 0 <= start_chunk <= stop <= n_full:
-        raise ValueError(f"chunks [{start_chunk}, {stop}) are not within the {n_full} full chunks of the state")
+    if not (first <= start_chunk * chunk_size and start_chunk <= stop <= n_full):
+        raise ValueError(
+            f"chunks [{start_chunk}, {stop}) are not within the full chunks of the state's positions {first}..{first + p.n_cells - 1}"
+        )
     if start_chunk == stop:
         return []
-    return _cut(p, start_chunk * chunk_size, stop - start_chunk, chunk_size)
+    return _cut(p, start_chunk * chunk_size, stop - start_chunk, chunk_size, first)
 
 
-def cut_cells(state: Buffer, start: int, stop: int) -> bytes:
-    """One payload holding the cells at positions ``start..stop-1`` (a prompt's tail, say)."""
+def cut_cells(state: Buffer, start: int, stop: int, *, first: int = 0) -> bytes:
+    """One payload holding the cells at positions ``start..stop-1`` (a prompt's tail, say) of a blob holding ``first..first+N-1``."""
     p = _parse_state(state)
-    if not 0 <= start < stop <= p.n_cells:
-        raise ValueError(f"cells [{start}, {stop}) are not within the {p.n_cells} cells of the state")
-    return _cut(p, start, 1, stop - start)[0]
+    if not first <= start < stop <= first + p.n_cells:
+        raise ValueError(f"cells [{start}, {stop}) are not within the state's positions {first}..{first + p.n_cells - 1}")
+    return _cut(p, start, 1, stop - start, first)[0]
 
 
 def head_cells(payload: Buffer, n: int) -> bytes:
@@ -117,11 +122,11 @@ def head_cells(payload: Buffer, n: int) -> bytes:
     return layout._header(n) + bytes(memoryview(payload)[at : at + n * layout.bytes_per_token])
 
 
-def _cut(p: _Parsed, lo: int, n_chunks: int, width: int) -> list[bytes]:
-    """Payloads of ``n_chunks`` runs of ``width`` cells, from position ``lo`` on."""
-    order = _position_order(p.positions)
-    layout, hi = p.layout, lo + n_chunks * width
-    rows: slice | np.ndarray = slice(lo, hi) if order is None else order[lo:hi]
+def _cut(p: _Parsed, lo: int, n_chunks: int, width: int, first: int) -> list[bytes]:
+    """Payloads of ``n_chunks`` runs of ``width`` cells, from position ``lo`` on, of a blob whose positions begin at ``first``."""
+    order = _position_order(p.positions, first)
+    layout, a, b = p.layout, lo - first, lo - first + n_chunks * width
+    rows: slice | np.ndarray = slice(a, b) if order is None else order[a:b]
 
     header = np.frombuffer(layout._header(width), np.uint8)
     h, bpt = header.size, layout.bytes_per_token

@@ -315,13 +315,13 @@ def _parse_sections(state: Buffer, seq_id: int, n: int, meta_bytes: int) -> _Par
     return _Parsed(CellFormat(layers, meta_bytes), n, bool(v_trans), seq_id, meta, tuple(keys), tuple(values), positions)
 
 
-def _position_order(positions: np.ndarray) -> np.ndarray | None:
-    """Cell indices in position order, or None when the cells are already in order."""
+def _position_order(positions: np.ndarray, first: int = 0) -> np.ndarray | None:
+    """Cell indices in position order, or None when the cells are already in order; positions must be exactly ``first..first+n-1``."""
     n = positions.size
-    expected = np.arange(n, dtype=np.int32)
+    expected = np.arange(first, first + n, dtype=np.int32)
     if np.array_equal(positions, expected):
         return None
     order = np.argsort(positions, kind="stable")
     if not np.array_equal(positions[order], expected):
-        raise StateFormatError(f"cell positions are not exactly 0..{n - 1} (gaps, duplicates or an offset)")
+        raise StateFormatError(f"cell positions are not exactly {first}..{first + n - 1} (gaps, duplicates or an offset)")
     return order

@@ -51,33 +51,61 @@ def _(llm: SeqView, seq_id: int = 0) -> tuple[int, int]:
     return llm.positions()
 
 
+def _state_window() -> Callable[[int, int], None] | None:
+    """``llama_kvpool_state_window(p0, p1)`` of the loaded libllama (deploy/patches/state-window.patch), or None where it lacks it."""
+    fn = getattr(llama_cpp.llama_cpp._lib, "llama_kvpool_state_window", None)
+    if fn is None:
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int32, ctypes.c_int32], None
+    return fn  # type: ignore[no-any-return]
+
+
+_WINDOW = _state_window()
+_NO_END = 2**31 - 1
+
+
+def readable_from(start: int) -> int:
+    """Where a state read asked to begin at position ``start`` begins: there with kvpool's build, else at 0 (every cell)."""
+    return start if _WINDOW is not None else 0
+
+
 @singledispatch
-def read_seq_state(llm: Llama, seq_id: int = 0, *, into: Callable[[int], bytearray] | None = None) -> Buffer:
+def read_seq_state(llm: Llama, seq_id: int = 0, *, into: Callable[[int], bytearray] | None = None, start: int = 0) -> Buffer:
     """``llama_state_seq_get_data`` for one sequence (flags 0), as a single-stream blob (`worker.sequence`).
 
     ``into(size)``: a buffer of at least ``size`` bytes to read into (`Publisher.buffer`); the result is then a view.
+    ``start``: only the cells at positions from ``start`` on, a value of `readable_from` (a publisher
+    wants the new chunks' cells, not the whole sequence's).
     """
     raise _neither(llm)
 
 
 @read_seq_state.register
-def _(llm: llama_cpp.Llama, seq_id: int = 0, *, into: Callable[[int], bytearray] | None = None) -> Buffer:
-    return read_ctx_state(llm.ctx, seq_id, into)  # type: ignore[no-any-return]
+def _(llm: llama_cpp.Llama, seq_id: int = 0, *, into: Callable[[int], bytearray] | None = None, start: int = 0) -> Buffer:
+    return read_ctx_state(llm.ctx, seq_id, into, start)  # type: ignore[no-any-return]
 
 
 @read_seq_state.register
-def _(llm: SeqView, seq_id: int = 0, *, into: Callable[[int], bytearray] | None = None) -> Buffer:
-    return llm.read_state(read_ctx_state, into)  # type: ignore[no-any-return]
+def _(llm: SeqView, seq_id: int = 0, *, into: Callable[[int], bytearray] | None = None, start: int = 0) -> Buffer:
+    return llm.read_state(lambda ctx, seq, into: read_ctx_state(ctx, seq, into, start), into)  # type: ignore[no-any-return]
 
 
-def read_ctx_state(ctx: Any, seq_id: int, into: Callable[[int], bytearray] | None = None) -> Any:
-    size = llama_cpp.llama_state_seq_get_size(ctx, seq_id)
-    if size == 0:
-        raise StateReadError(f"llama_state_seq_get_size failed for sequence {seq_id}")
-    out = into(size) if into is not None else bytearray(size)
-    target = (ctypes.c_uint8 * size).from_buffer(out)
-    written = llama_cpp.llama_state_seq_get_data(ctx, target, size, seq_id)
-    del target  # release the export, so the buffer is an ordinary bytearray again
+def read_ctx_state(ctx: Any, seq_id: int, into: Callable[[int], bytearray] | None = None, start: int = 0) -> Any:
+    if start != readable_from(start):
+        raise ValueError(f"this llama.cpp build reads whole sequences only, not from position {start}")
+    if start:
+        _WINDOW(start, _NO_END)  # type: ignore[misc]
+    try:
+        size = llama_cpp.llama_state_seq_get_size(ctx, seq_id)
+        if size == 0:
+            raise StateReadError(f"llama_state_seq_get_size failed for sequence {seq_id}")
+        out = into(size) if into is not None else bytearray(size)
+        target = (ctypes.c_uint8 * size).from_buffer(out)
+        written = llama_cpp.llama_state_seq_get_data(ctx, target, size, seq_id)
+        del target  # release the export, so the buffer is an ordinary bytearray again
+    finally:
+        if start:
+            _WINDOW(-1, -1)  # type: ignore[misc]
     if written != size:
         raise StateReadError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
     return out if len(out) == size else memoryview(out)[:size]

@@ -130,8 +130,8 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
         for t in others:
             if t.is_alive():
                 t.join()
-        for e in reversed(engines):  # the first opened the context: it closes last
-            e.close()
+        for engine in reversed(engines):  # the first opened the context: it closes last
+            engine.close()
     supervisor.check()
 
 
@@ -142,7 +142,7 @@ def _start(settings: WorkerSettings, health: Health) -> tuple[list[KvpoolWorker]
         update={"parallel": sequences_for(model, settings.parallel), "flash_attn": flash_attn_for(model, settings.flash_attn)}
     )
     names = slot_names(settings.worker_name or f"{socket.gethostname()}-{os.getpid()}", settings.parallel)
-    workers = [_wait_for_redis(lambda n=n: build_worker(settings, n)) for n in names]
+    workers = [_wait_for_redis(partial(build_worker, settings, n)) for n in names]
     for w in workers:
         w.health = health if w is workers[0] else None
         _wait_for_redis(w.claim_name)
@@ -173,7 +173,7 @@ def _serve(settings: WorkerSettings, worker: KvpoolWorker, engine: Engine, healt
     try:
         while True:
             worker.engine = engine
-            _wait_for_redis(lambda worker=worker: worker.work(burst=burst, with_scheduler=False, logging_level=_log_level()), worker)
+            _wait_for_redis(partial(worker.work, burst=burst, with_scheduler=False, logging_level=_log_level()), worker)
             if health is not None:
                 health.registered(False)
             if burst or worker.stopping:
@@ -181,7 +181,7 @@ def _serve(settings: WorkerSettings, worker: KvpoolWorker, engine: Engine, healt
             log.warning("worker.restarting", extra={"worker": worker.name, "reason": "the RQ loop ended (Redis lost?)"})
             _pause(worker, 1.0)  # a loop that keeps ending must not spin
             KvpoolWorker.live.discard(worker)
-            worker = _wait_for_redis(lambda name=worker.name: build_worker(settings, name), worker)  # the old one holds the signal handlers
+            worker = _wait_for_redis(partial(build_worker, settings, worker.name), worker)  # the old one holds the signal handlers
             worker.health = health
     except StopRequested:
         redis_away = True

@@ -1,8 +1,9 @@
 """Publishing in the background: new chunks go to the store while generation goes on.
 
-The engine hands over a copy of the sequence state (a memcpy, milliseconds) and moves
-on; a thread finds which full chunks, and whether the partial last chunk (the tail),
-the store lacks, cuts just those and publishes them.
+The engine hands over a copy of the sequence's cells from the first chunk the store lacked
+when the job looked (a memcpy of the new cells alone, with kvpool's build of llama.cpp:
+`worker.llama_state.readable_from`) and moves on; a thread finds which full chunks, and
+whether the partial last chunk (the tail), the store lacks, cuts just those and publishes them.
 When the store is slow and tasks pile up past the queue bound, new tasks are dropped
 and counted rather than holding up a job: the next request simply re-publishes.
 
@@ -52,6 +53,8 @@ class _Task:
     """Tokens the job that saved ``checkpoints`` resumed from: the prompt's tail checkpoints before them are superseded."""
     recycle: bool = False
     """``state``'s buffer came from `Publisher.buffer` and goes back once the task is over."""
+    first: int = 0
+    """The position of ``state``'s first cell: it holds the cells from there on (0: the whole sequence)."""
 
 
 class Publisher:
@@ -77,12 +80,15 @@ class Publisher:
         breakpoints: Sequence[Breakpoint] = (),
         *,
         recycle: bool = False,
+        first: int = 0,
     ) -> bool:
-        """Queue the chunks of ``tokens`` (chain ``keys``; cells in ``state``) for publishing, then pin the breakpoints; False if dropped.
+        """Queue the chunks of ``tokens`` (chain ``keys``; cells from position ``first`` on in ``state``) for publishing,
+        then pin the breakpoints; False if dropped.
 
         ``on_done`` runs once the task is over, whether it published, failed or was dropped.
+        Chunks before ``first`` are not in ``state``: the store held them when the job looked.
         """
-        return self._put(_Task(ns, list(tokens), keys, state, on_done, list(breakpoints), recycle=recycle))
+        return self._put(_Task(ns, list(tokens), keys, state, on_done, list(breakpoints), recycle=recycle, first=first))
 
     def submit_checkpoints(
         self, ns: Namespace, tokens: Sequence[int], keys: list[BlobKey], states: Mapping[int, Buffer], resumed: int = 0
@@ -156,7 +162,7 @@ class Publisher:
                 if task.checkpoints:
                     self._publish_checkpoints(task.ns, task.tokens, task.keys, task.checkpoints, task.resumed)
                 if task.state is not None:
-                    self._publish(task.ns, task.tokens, task.keys, task.state)
+                    self._publish(task.ns, task.tokens, task.keys, task.state, task.first)
                 self._keep(task, task.breakpoints)
             except (StoreError, StateFormatError) as e:
                 metrics.PUBLISH_ERRORS.labels(**self.labels, reason=type(e).__name__).inc()
@@ -191,30 +197,34 @@ class Publisher:
         for b in breakpoints:
             tokens, keys = task.tokens[: b.tokens], task.keys[: b.tokens // c]
             if task.state is not None and b.tokens < len(task.tokens):
-                self._publish(task.ns, tokens, keys, task.state)
+                self._publish(task.ns, tokens, keys, task.state, task.first)
             self.store.pin(task.ns, tokens, now + b.ttl_s, keys=keys)
         if breakpoints:
             log.info("publish.pinned", extra={"breakpoints": [b.tokens for b in breakpoints]})
 
-    def _publish(self, ns: Namespace, tokens: list[int], keys: list[BlobKey], state: Buffer) -> None:
-        """One presence check, then the chunks and the tail the store lacks, written and indexed in one round trip (`Store.publish`)."""
+    def _publish(self, ns: Namespace, tokens: list[int], keys: list[BlobKey], state: Buffer, first: int) -> None:
+        """One presence check, then the chunks and the tail the store lacks, written and indexed in one round trip (`Store.publish`).
+
+        A chunk before ``first`` that the store lost since the job looked is not in ``state``:
+        the next job to evaluate it publishes it.
+        """
         t0 = time.perf_counter()
         end = len(keys) * ns.chunk_size
         tail = tail_key(ns.parent_of(keys, len(keys)), tokens[end:]) if end < len(tokens) else None
         present = self.store.index.present([*keys, *([tail] if tail else [])])
         if all(present):
             return
-        first = present.index(False)
+        lacking = max(present.index(False), first // ns.chunk_size)
         todo = {}
-        if first < len(keys):
-            payloads = cut_state(state, ns.chunk_size, first, len(keys))
-            todo = {i: p for i, p in zip(range(first, len(keys)), payloads) if not present[i]}
-        tail_payload = cut_cells(state, end, len(tokens)) if tail is not None and not present[-1] else None
+        if lacking < len(keys):
+            payloads = cut_state(state, ns.chunk_size, lacking, len(keys), first=first)
+            todo = {i: p for i, p in zip(range(lacking, len(keys)), payloads) if not present[i]}
+        tail_payload = cut_cells(state, end, len(tokens), first=first) if tail is not None and not present[-1] else None
         added = self.store.publish(ns, tokens, keys, todo, tail=tail_payload, absent=True)
         sent = sum(len(p) for p in todo.values()) + len(tail_payload or b"")
         metrics.PUBLISH_SECONDS.labels(**self.labels).observe(time.perf_counter() - t0)
         metrics.PUBLISH_BYTES.labels(**self.labels).inc(sent)
-        log.info("publish.done", extra={"chunks": added, "from_chunk": first, "to_chunk": len(keys), "tail": tail_payload is not None})
+        log.info("publish.done", extra={"chunks": added, "from_chunk": lacking, "to_chunk": len(keys), "tail": tail_payload is not None})
 
     def _publish_checkpoints(
         self, ns: Namespace, tokens: list[int], keys: list[BlobKey], states: Mapping[int, Buffer], resumed: int

@@ -13,11 +13,12 @@ import os
 from pathlib import Path
 
 import redis
-from rq import Queue, Worker, worker_registration
+from rq import Queue, worker_registration
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.utils import now, utcparse
+from rq.worker import BaseWorker
 
 from worker.advert import adverts
 from worker.errors import WorkerNameTaken
@@ -94,7 +95,7 @@ def _move(conn: redis.Redis, q: Queue, job_id: str, shared: Queue) -> bool:
     return True
 
 
-def claim_name(worker: Worker) -> None:
+def claim_name(worker: BaseWorker) -> None:
     """Clear the registration a dead worker of ``worker``'s name left behind; `WorkerNameTaken` if that worker lives."""
     info = worker.connection.hgetall(worker.key)
     if not info or b"death" in info:

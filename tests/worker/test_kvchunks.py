@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.kvchunks import cut_state, describe_payload, join_state
+from worker.kvchunks import cut_cells, cut_state, describe_payload, join_state
 from worker.kvstate import (
     GGML_TYPE_F16,
     GGML_TYPE_F32,
@@ -133,6 +133,23 @@ def test_payload_size_is_a_constant_header_plus_bytes_per_token(ext: bool) -> No
             headers.add(len(payload) - chunk * layout.bytes_per_token)
     assert headers == {16 + 16 * len(F16_LAYERS)} == {layout.header_bytes}
     assert len(blob) == layout.state_bytes(64)
+
+
+@pytest.mark.parametrize("v_trans", [False, True])
+def test_a_window_of_positions_cuts_into_the_same_chunks_and_tail_as_the_whole_blob(v_trans: bool) -> None:
+    cells = Cells(_shuffled(70), F16_LAYERS, ext=False)
+    whole = _blob(cells, v_trans=v_trans)
+    window = _blob(cells.select([i for i, pos in enumerate(cells.positions) if pos >= 32]), v_trans=v_trans)
+    assert cut_state(window, 16, 2, first=32) == cut_state(whole, 16, 2) == cut_state(whole, 16)[2:]
+    assert cut_cells(window, 64, 70, first=32) == cut_cells(whole, 64, 70)
+    with pytest.raises(ValueError):
+        cut_state(window, 16, 1, first=32)  # chunk 1 is not in the window
+    with pytest.raises(ValueError):
+        cut_cells(window, 30, 40, first=32)
+    with pytest.raises(StateFormatError):
+        cut_state(window, 16, 2, first=16)  # the blob's positions are not where the caller says they begin
+    with pytest.raises(StateFormatError):
+        cut_state(window, 16, 0, 1)  # read as a whole sequence's blob
 
 
 def test_a_range_of_chunks() -> None:
