@@ -72,3 +72,18 @@ def test_a_breakpoint_is_kept_when_the_client_leaves_at_the_first_token(engine: 
     assert result.finish_reason == "cancelled" and len(seen) == 1
     assert engine.publisher is not None and engine.publisher.wait_idle()
     assert all(t > time.time() + 290 for t in kept(engine, tokens, 19))
+
+
+def test_a_breakpoint_inside_a_stored_prompt_gets_its_tail_published_from_the_cells_copied(engine: Engine, tiny_model: Path) -> None:
+    """The store holds the whole prompt; a mark in its middle still needs the cells of its own tail, which a copy
+    from the store's end would not hold: the copy starts at the mark's chunk."""
+    tokens = llama_cpp.Llama(str(tiny_model), vocab_only=True, verbose=False).tokenize(prompt_text(5, 60).encode())
+    assert len(tokens) > 5 * CHUNK
+    engine.run(spec_for(engine, tokens, [], max_tokens=0), lambda ev: True)
+    assert engine.publisher is not None and engine.publisher.wait_idle()
+    assert kept(engine, tokens, len(tokens))[-1] == 0.0, "the whole prompt, tail included, is stored and not pinned"
+    assert kept(engine, tokens, 2 * CHUNK + 3)[-1] == -1.0, "a tail in the prompt's middle is not"
+
+    engine.run(spec_for(engine, tokens, [Breakpoint(tokens=2 * CHUNK + 3, ttl_s=300)], max_tokens=0), lambda ev: True)
+    assert engine.publisher.wait_idle()
+    assert all(t > time.time() + 290 for t in kept(engine, tokens, 2 * CHUNK + 3)), "its 2 chunks and its own tail, pinned"
