@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,6 +13,7 @@ import llama_cpp
 import pytest
 import redis
 
+from gateway.pool import procs
 from gateway.pool.procs import RedisServer, WorkerProcess
 from gateway.pool.s3server import S3Server
 from store.backends import BlobBackend
@@ -21,10 +24,26 @@ from store.settings import StoreSettings
 from store.store import Store
 from tests.helpers import POOL_CHUNK, env_for_pool, s3_settings
 
-SUITE_SETTINGS = {"KVPOOL_PARALLEL": "1"}
+RUN_FOLDER = Path(
+    os.environ.get("KVPOOL_TEST_RESULTS")
+    or Path(tempfile.gettempdir()) / f"kvpool-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or uuid.uuid4().hex}"
+)
+"""What this run's test processes share (every pytest-xdist worker, and both passes of `deploy/setup.sh test`, which names
+it): the remembered start-up checks, and each process start's wait (`starts-*.jsonl`, read by `tests/durations.py`)."""
+
+SUITE_SETTINGS = {"KVPOOL_PARALLEL": "1", "KVPOOL_CHECK_RECORDS": str(RUN_FOLDER / "checks")}
 """The suite's own defaults: one sequence per worker, unless a test asks for more (`tests/worker/test_batched.py`,
-`test_siblings.py`, ...); what the default (chosen per model) opens has tests of its own (`tests/worker/test_sequences.py`)."""
+`test_siblings.py`, ...); what the default (chosen per model) opens has tests of its own (`tests/worker/test_sequences.py`).
+Start-up checks are remembered for the run, not across runs (`worker.checkrecords`): each run checks each model and
+layout once, in whichever worker starts first."""
 os.environ.update(SUITE_SETTINGS)  # for fixtures of a wider scope, set up before the one below
+
+if worker_id := os.environ.get("PYTEST_XDIST_WORKER"):
+    # Each pytest-xdist worker draws listening ports from a range of its own, so two can never hand out the same one.
+    _low, _high = procs.LISTEN_PORTS
+    _n, _i = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), int(worker_id.removeprefix("gw"))
+    _span = (_high - _low) // _n
+    procs.LISTEN_PORTS = (_low + _i * _span, _low + (_i + 1) * _span)
 
 
 @pytest.fixture(autouse=True)
@@ -130,3 +149,14 @@ def start_worker(pool_env: dict[str, str], redis_url: str, tmp_path: Path) -> It
 def cold_llm(tiny_model: Path) -> llama_cpp.Llama:
     """The tiny model in this process, with the workers' KV layout, for cold reference runs."""
     return llama_cpp.Llama(str(tiny_model), n_ctx=2048, n_threads=1, verbose=False, flash_attn=True)
+
+
+def _record_start(process: procs.Process, waited_s: float) -> None:
+    """One line per process this test run started: which test, what, and how long it took to become ready."""
+    line = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0], "what": process.what, "s": round(waited_s, 3)}
+    RUN_FOLDER.mkdir(parents=True, exist_ok=True)
+    with open(RUN_FOLDER / f"starts-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{os.getpid()}.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+procs.ready_hooks.append(_record_start)

@@ -24,7 +24,7 @@ import openai
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.pool.procs import S3_ACCESS_KEY, S3_SECRET_KEY, GatewayProcess, RedisServer, WorkerProcess, free_port
+from gateway.pool.procs import S3_ACCESS_KEY, S3_SECRET_KEY, GatewayProcess, RedisServer, WorkerProcess, free_port, start_together
 from gateway.pool.s3server import S3Server
 from store.chain import Namespace
 from store.fingerprint import fingerprint_file
@@ -261,9 +261,8 @@ def running_pool(redis_server: RedisServer, s3_server: S3Server, model: Path, lo
     pool_env = {**env_for_pool(redis_server.url, settings, model, POOL_CHUNK), **env}
     pool = Pool(GatewayProcess(pool_env, free_port(), logs / "gateway.log"), {}, pool_env, redis_server.url, settings, logs)
     try:
-        for name in workers:
-            pool.start_worker(name)
-        pool.gateway.start()
+        pool.workers.update({name: WorkerProcess(name, pool_env, logs / f"{name}.log") for name in workers})
+        start_together([*pool.workers.values(), pool.gateway])
         yield pool
     finally:
         pool.gateway.stop()

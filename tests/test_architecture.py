@@ -34,6 +34,7 @@ ENGINE_SIDE = {
     "worker.supervision",
     "worker.publisher",
     "worker.selfcheck",
+    "worker.checkrecords",
     "worker.leases",
     "worker.context",
     "worker.loop",

@@ -33,6 +33,7 @@ chat resumes there, here or, published, anywhere.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
@@ -52,6 +53,17 @@ class DecodeMode(StrEnum):
     def exact(self) -> bool:
         """Decoded cells are what a cold evaluation of the same tokens holds."""
         return self is not DecodeMode.SETTLE
+
+
+@dataclass(frozen=True)
+class ModeChoice:
+    """`choose_mode`'s answer, as a start-up record keeps it (`worker.checkrecords`)."""
+
+    mode: DecodeMode
+    detail: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", DecodeMode(self.mode))  # read back from JSON as a plain string
 
 
 def decode_step(llm: Llama, token: int, mode: DecodeMode) -> None:

@@ -18,8 +18,9 @@ from store.checkpoints import Checkpoints
 from store.fingerprint import fingerprint_file
 from store.store import Store
 from worker import metrics
+from worker.checkrecords import CheckRecords, default_folder
 from worker.context import Context
-from worker.decoding import DecodeMode, choose_mode
+from worker.decoding import DecodeMode, ModeChoice, choose_mode
 from worker.held import Held
 from worker.kvcache import CACHE_TYPE_NAMES, ContextCache, context_cache
 from worker.leases import EvalRate
@@ -52,12 +53,18 @@ class LoadedModel:
         self.labels = {"model": Path(model_path).name, "layout": self.layout.canonical()}
         if store is not None:  # what `kvpool store stats` says of the namespaces this worker publishes to
             store.about = {"kernels": SHARED_KERNELS if settings.share_across_kernels else self.kernels.canonical()}
-        verdict = startup_verdict(probe, self.kv, settings, store=store is not None, shared=self.context.n_seq > 1)
+        records = self._check_records()
+        verdict = startup_verdict(probe, self.kv, settings, records, store=store is not None, shared=self.context.n_seq > 1)
         self.restore_enabled, self.exact = verdict.restore, verdict.exact
         self.checkpoints = Checkpoints(store) if verdict.checkpoints and store is not None else None
         """Set when this model's state is stored whole at chunk boundaries (`worker.checkpoints`), not cut into cells."""
-        self.decode, why = choose_mode(probe, settings.exact_decode) if self.kv.prefix_reuse else (DecodeMode.SETTLE, str(self.kv.reason))
-        log.log(logging.INFO if self.decode.exact else logging.WARNING, "decode.mode", extra={"mode": str(self.decode), "detail": why})
+        if self.kv.prefix_reuse:
+            choice, source = records.recall("decode-mode", ModeChoice, lambda: ModeChoice(*choose_mode(probe, settings.exact_decode)))
+        else:
+            choice, source = ModeChoice(DecodeMode.SETTLE, str(self.kv.reason)), "model"
+        self.decode = choice.mode
+        extra = {"mode": str(self.decode), "detail": choice.detail, "source": source}
+        log.log(logging.INFO if self.decode.exact else logging.WARNING, "decode.mode", extra=extra)
         if self.context.n_seq > 1:  # whether a filler joins two sequences' steps in one pass over the weights (`worker.rounds`)
             loop = self.context.loop
             loop.step_cost = loop.measure_steps(self.context.n_seq, 2 if self.decode is DecodeMode.PAIR else 1)
@@ -70,6 +77,25 @@ class LoadedModel:
         """What each sequence of the context holds (each engine adds its own): `worker.siblings` copies from them."""
         self.sequences: set[str] = set()
         """The names of the sequences of this context (each engine adds its own)."""
+
+    def _check_records(self) -> CheckRecords:
+        """Where the start-up checks' outcomes are remembered, for everything that decides them (`worker.checkrecords`)."""
+        s = self.settings
+        folder = (s.check_records or default_folder()) if s.remember_checks else None
+        params = self.context.llm.context_params
+        return CheckRecords.for_worker(
+            folder,
+            model=self.fingerprint,
+            layout=self.layout.canonical(),
+            kernels=self.kernels.canonical(),
+            n_ctx=s.n_ctx,
+            n_seq=self.context.n_seq,
+            n_batch=params.n_batch,
+            n_ubatch=params.n_ubatch,
+            n_threads=s.n_threads,
+            n_threads_batch=s.threads_batch(),
+            exact_decode=s.exact_decode,
+        )
 
     def stop(self) -> None:
         """Stop the loop (every sequence's job still waiting on it fails), then the publisher; `Context.close` frees the rest."""

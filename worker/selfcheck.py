@@ -22,6 +22,7 @@ import llama_cpp
 import numpy as np
 
 from worker.checkpoints import WINDOW_ALIGN, restore_checkpoint
+from worker.checkrecords import CheckRecords
 from worker.kvcache import ContextCache
 from worker.kvchunks import cut_state, join_state
 from worker.llama_state import Llama, evaluate_prompt, last_logits, read_seq_state, restore_seq_state
@@ -86,26 +87,27 @@ class Verdict:
     """The state is stored whole at chunk boundaries (`worker.checkpoints`), not cut into cells."""
 
 
-def startup_verdict(llm: Llama, kv: ContextCache, settings: WorkerSettings, *, store: bool, shared: bool) -> Verdict:
-    """Run the start-up check that applies to this memory (cells or checkpoints) and log its outcome.
+def startup_verdict(llm: Llama, kv: ContextCache, settings: WorkerSettings, records: CheckRecords, *, store: bool, shared: bool) -> Verdict:
+    """Run the start-up check that applies to this memory (cells or checkpoints), or take it from ``records``, and log its outcome.
 
     ``shared``: the context holds several sequences (`worker.context`); checkpoints then stay off.
     """
     if kv.cuttable:
         if not settings.self_check:
             return Verdict(True, False)
-        check = check_restore(llm, kv)
+        check, source = records.recall("restore-cells", SelfCheck, lambda: check_restore(llm, kv))
     elif not kv.checkpoints or not store or shared:
         why = kv.reason if not kv.checkpoints else "no store" if not store else "KVPOOL_PARALLEL > 1"
         log.warning("restore.disabled", extra={"reason": why})
         return Verdict(False, False)
     elif settings.self_check:
-        check = check_checkpoint(llm)
+        check, source = records.recall("restore-checkpoint", SelfCheck, lambda: check_checkpoint(llm))
     else:
         return Verdict(True, False, checkpoints=True)
     level = logging.INFO if check.ok else logging.ERROR
     kind = "cells" if kv.cuttable else "checkpoint"
-    log.log(level, "restore.selfcheck", extra={"ok": check.ok, "exact": check.exact, "kind": kind, "detail": check.detail})
+    extra = {"ok": check.ok, "exact": check.exact, "kind": kind, "detail": check.detail, "source": source}
+    log.log(level, "restore.selfcheck", extra=extra)
     if check.ok and not kv.cuttable:
         log.info("restore.checkpoints", extra={"reason": kv.reason, "every": settings.checkpoint_every})
     return Verdict(check.ok, check.exact, checkpoints=check.ok and not kv.cuttable)

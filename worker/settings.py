@@ -154,4 +154,13 @@ class WorkerSettings(PoolSettings):
     )
     publish_queue: int = Field(8, ge=1, description="Pending publish tasks before new ones are dropped.")
     self_check: bool = Field(True, description="Check at start-up that cut, rebuild and restore reproduce the cold logits.")
+    remember_checks: bool = Field(
+        True,
+        description="Keep the start-up checks' outcomes (restore and decode mode) on disk, per model, llama.cpp library, kernels, "
+        "CPU and layout, so that identical workers on one machine run them once; a changed library or model runs them again.",
+    )
+    check_records: Path | None = Field(
+        None,
+        description="Folder of the remembered start-up checks (default: $XDG_CACHE_HOME/kvpool/checks, else ~/.cache/kvpool/checks).",
+    )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics on this port (0: any free port).")

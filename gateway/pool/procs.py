@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Self
@@ -42,6 +42,9 @@ LISTEN_PORTS = (20000, 32768)
 """Where `free_port` looks: below Linux's default ephemeral range (32768-60999), which outgoing connections draw from."""
 
 _handed_out: set[int] = set()
+
+ready_hooks: list[Callable[[Process, float], None]] = []
+"""Called with each process and the seconds it took from spawn to ready (the test suite records them)."""
 
 
 def free_port() -> int:
@@ -141,6 +144,7 @@ class Process(ABC):
         self.log_path = log_path
         self.env = child_env(env, inherit_settings=inherit_settings)
         self.proc: subprocess.Popen[bytes] | None = None
+        self.spawned_at = 0.0
 
     @abstractmethod
     def args(self) -> list[str]: ...
@@ -153,6 +157,7 @@ class Process(ABC):
             self.proc = subprocess.Popen(
                 self.args(), env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.cwd
             )
+        self.spawned_at = time.monotonic()
         return self
 
     def wait_ready(self, timeout_s: float = 120.0) -> Self:
@@ -162,6 +167,8 @@ class Process(ABC):
         except RuntimeError:
             self.stop()
             raise
+        for hook in ready_hooks:
+            hook(self, time.monotonic() - self.spawned_at)
         return self
 
     def start(self, timeout_s: float = 120.0) -> Self:
@@ -336,6 +343,21 @@ class RedisServer(Process):
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def start_together(processes: Iterable[Process], timeout_s: float = 120.0) -> None:
+    """Spawn every one of ``processes``, then wait for each: their start-ups (imports, model loads) overlap instead of adding up.
+
+    If one fails to start, every one of them is stopped before the error is raised.
+    """
+    spawned = [p.spawn() for p in processes]
+    try:
+        for p in spawned:
+            p.wait_ready(timeout_s)
+    except BaseException:
+        for p in spawned:
+            p.stop()
+        raise
 
 
 @contextmanager

@@ -18,7 +18,7 @@ from pathlib import Path
 import openai
 import redis
 
-from gateway.pool.procs import GatewayProcess, RedisServer, WorkerProcess, free_port
+from gateway.pool.procs import GatewayProcess, RedisServer, WorkerProcess, free_port, start_together
 from gateway.pool.s3server import S3Server
 from gateway.responses_api.state import ResponseState
 from gateway.tenants import Tenants
@@ -80,11 +80,10 @@ def responses_pool(
         "KVPOOL_TENANT_SECRET": SECRET,
     }
     names = [f"r{i + 1}" for i in range(workers)]
-    pool = Pool(env, {n: WorkerProcess(n, env, logs / f"{n}.log").spawn() for n in names}, logs)
+    pool = Pool(env, {n: WorkerProcess(n, env, logs / f"{n}.log") for n in names}, logs)
+    pool.gateway = GatewayProcess({**env, "KVPOOL_CHAT_TEMPLATE_FILE": str(TOOLS_TEMPLATE)}, free_port(), logs / "gateway.log")
     try:
-        for w in pool.workers.values():
-            w.wait_ready()
-        pool.gateway = GatewayProcess({**env, "KVPOOL_CHAT_TEMPLATE_FILE": str(TOOLS_TEMPLATE)}, free_port(), logs / "gateway.log").start()
+        start_together([*pool.workers.values(), pool.gateway])
         yield pool
     finally:
         for g in [pool.gateway, *pool.extra]:

@@ -215,6 +215,7 @@ def test_a_retry_after_the_job_failed_runs_anew(start_worker, start_gateway, red
     assert jobs_enqueued(redis_url) == 2 and outcomes(gw.url) == {"new": 1, "rerun": 1}
 
 
+@pytest.mark.serial  # a wall-clock bound
 def test_a_retry_attaches_to_the_job_of_a_gateway_killed_between_enqueueing_and_recording_it(counted, start_gateway, redis_url) -> None:
     """A claim names its jobs before they are enqueued. Here the record is put back to ``claimed``, as a gateway
     SIGKILLed after its enqueue and before its record leaves it: the retry attaches at once instead of waiting for

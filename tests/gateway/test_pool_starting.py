@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import redis
 
 from gateway.pool.procs import WorkerProcess
@@ -94,6 +95,7 @@ def test_a_request_with_an_idempotency_key_keeps_its_claim_while_it_waits(start_
     assert answers and answers[0].status_code == 200, answers and answers[0].text
 
 
+@pytest.mark.serial  # a wall-clock bound
 def test_workers_all_gone_is_503_at_once(start_worker, start_gateway) -> None:
     w = start_worker("w1")
     gw = start_gateway(KVPOOL_START_WAIT_S="60")
@@ -108,6 +110,7 @@ def test_workers_all_gone_is_503_at_once(start_worker, start_gateway) -> None:
     assert httpx.get(gw.url + "/v1/models").status_code == 503
 
 
+@pytest.mark.serial  # a wall-clock bound
 def test_no_worker_ever_coming_ends_in_a_clear_503_within_the_wait(start_gateway) -> None:
     gw = start_gateway(KVPOOL_START_WAIT_S="1.5")
     t0 = time.monotonic()
@@ -119,6 +122,7 @@ def test_no_worker_ever_coming_ends_in_a_clear_503_within_the_wait(start_gateway
     assert err["code"] == "no_workers" and "starting" in err["message"] and "KVPOOL_START_WAIT_S" in err["message"], err
 
 
+@pytest.mark.serial  # a wall-clock bound
 def test_the_wait_counts_toward_the_request_deadline(start_gateway) -> None:
     gw = start_gateway(KVPOOL_START_WAIT_S="600", KVPOOL_REQUEST_TIMEOUT_S="1.5")
     t0 = time.monotonic()

@@ -56,6 +56,7 @@ def test_a_restarted_server_keeps_every_blob(own_s3: S3Server, redis_url: str) -
     assert stored_depth(store, NS, keys) == len(keys), "nothing was dropped from the index"
 
 
+@pytest.mark.serial  # a wall-clock bound
 def test_a_stalled_server_is_a_quick_miss_and_answers_again_when_it_resumes(own_s3: S3Server, redis_url: str) -> None:
     """A server that accepts connections but does not answer costs one read timeout per try, then a miss."""
     store = open_store(own_s3, redis_url, "kvpool-stall")

@@ -144,6 +144,7 @@ REPEATS = 5
 """Workers stopped at each moment, side by side: a stop that hangs now and then shows up in one of them."""
 
 
+@pytest.mark.serial  # a wall-clock bound
 @pytest.mark.parametrize("moment", [0.5, 2.0, 4.0, 8.0, "after_a_request"])
 def test_sigterm_stops_an_idle_worker_of_four_sequences_within_10_s(start_worker, client: PoolClient, moment: float | str) -> None:
     """Every sequence's RQ worker stops, its wait for a job woken, and the process exits 0 within 10 s, every time.
@@ -173,6 +174,7 @@ def test_sigterm_stops_an_idle_worker_of_four_sequences_within_10_s(start_worker
         assert not {x.name for x in Worker.all(connection=w.conn)} & set(w.names), "RQ registrations left behind"
 
 
+@pytest.mark.serial  # a wall-clock bound
 def test_sigterm_with_a_job_running_on_one_of_four_sequences_exits_within_10_s_of_its_answer(start_worker, client: PoolClient) -> None:
     w = start_worker("s", KVPOOL_PARALLEL="4")
     never_stop = {client.vocab.token_eos(): -100.0}
