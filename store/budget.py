@@ -1,10 +1,12 @@
-"""The store's byte budget: ``KVPOOL_STORE_MAX_BYTES`` when set, else a default sized from the folder store's disk.
+"""The store's byte budget: ``KVPOOL_STORE_MAX_BYTES`` when set (``0``: none), else a default for the store's kind.
 
-A folder store (the embedded default) shares its disk with everything else on the
-machine, so by default it keeps at most `DISK_SHARE` of the room it has there at
-start-up (the disk's free space plus what the store already holds), and never more than
-`DISK_CAP`. An S3 store has no default budget: a bucket is bounded where it is
-provisioned (a quota, a lifecycle rule), not by one worker's guess.
+Every store is bounded unless told otherwise. A folder store (the embedded default)
+shares its disk with everything else on the machine, so by default it keeps at most
+`DISK_SHARE` of the room it has there at start-up (the disk's free space plus what the
+store already holds), and never more than `DISK_CAP`. An S3 store cannot see its
+server's disk: it keeps `S3_DEFAULT` by default, so that a bucket nobody bounded (the
+compose stack's MinIO, say) does not grow without limit. Each process logs the budget it
+uses and where it comes from (``store.budget``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ DISK_SHARE = 0.2
 """Share of the room on its disk that a folder store takes by default."""
 DISK_CAP = 32 * 2**30
 """The most a folder store keeps by default, however large its disk (32 GiB)."""
+S3_DEFAULT = 32 * 2**30
+"""What an S3 store keeps by default (32 GiB): a bucket is better bounded where it is provisioned, but never left unbounded."""
 
 
 @dataclass(frozen=True)
@@ -31,10 +35,12 @@ class Budget:
 
 
 def store_budget(configured: int | None, backend: BlobBackend, stored: Callable[[], int]) -> Budget:
-    """The budget for ``backend``: ``configured`` (``KVPOOL_STORE_MAX_BYTES``) if set, else the default for its kind.
+    """The budget for ``backend``: ``configured`` (``KVPOOL_STORE_MAX_BYTES``) if set (0: none), else the default for its kind.
 
     ``stored`` reads the bytes the store holds now (from the index), asked only for a folder store.
     """
+    if configured == 0:
+        return Budget(None, "KVPOOL_STORE_MAX_BYTES=0: none")
     if configured is not None:
         return Budget(configured, "KVPOOL_STORE_MAX_BYTES")
     if isinstance(backend, FsBackend):
@@ -44,7 +50,7 @@ def store_budget(configured: int | None, backend: BlobBackend, stored: Callable[
         why = f"{DISK_SHARE:.0%} of {gib(room)} ({gib(free)} free on its disk + {gib(held)} stored)"
         why += f", capped at {gib(DISK_CAP)}" if size == DISK_CAP else ""
         return Budget(size, f"default for a folder store: {why}")
-    return Budget(None, "default for S3: none (bound the bucket where it is provisioned, or set KVPOOL_STORE_MAX_BYTES)")
+    return Budget(S3_DEFAULT, f"default for S3: {gib(S3_DEFAULT)} (set KVPOOL_STORE_MAX_BYTES to change it, 0 for none)")
 
 
 def gib(n: int) -> str:

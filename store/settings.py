@@ -36,7 +36,7 @@ class StoreSettings(BaseSettings):
     store_max_bytes: int | None = Field(
         None,
         ge=0,
-        description="Automatic eviction budget for stored blobs (bytes). Empty: for a folder store, 20% of the room on its disk at start-up (free space plus what it holds), at most 32 GiB; for S3, none.",
+        description="Automatic eviction budget for stored blobs (bytes); 0: none. Empty: for a folder store, 20% of the room on its disk at start-up (free space plus what it holds), at most 32 GiB; for S3, 32 GiB. Each process logs the budget it uses (store.budget).",
     )
     reconcile_batch: int = Field(
         256,

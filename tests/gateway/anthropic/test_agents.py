@@ -122,3 +122,8 @@ def test_max_tokens_beyond_the_context_is_what_is_left_of_it_in_every_api(smol_m
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.prompt_tokens + r.usage.completion_tokens <= 4096  # type: ignore[union-attr]
     done = chat.responses.create(model=SMOL, input="Say hello.", max_output_tokens=32_000, temperature=0)
     assert done.status in ("completed", "incomplete") and done.usage.input_tokens + done.usage.output_tokens <= 4096  # type: ignore[union-attr]
+    for huge in (32_000, 10**9):  # one rule on every endpoint, whatever the size: never a 400
+        c = chat.completions.create(model=SMOL, prompt="Say hello.", max_tokens=huge, temperature=0, stop=[".", "\n"])
+        assert c.choices[0].finish_reason in ("stop", "length") and c.usage.prompt_tokens + c.usage.completion_tokens <= 4096  # type: ignore[union-attr]
+        r = chat.chat.completions.create(model=SMOL, messages=hello, max_tokens=huge, temperature=0)  # type: ignore[arg-type]
+        assert r.choices[0].finish_reason in ("stop", "length")
