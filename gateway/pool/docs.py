@@ -1,19 +1,23 @@
 """``kvpool docs``: the generated parts of the docs.
 
-The README's settings table (from the settings classes) and metrics list (from the
-registry), and deploy/.env.example (`gateway.pool.envfile`). ``kvpool docs`` rewrites them;
-``kvpool docs --check`` (and a test) fails when they drift from the code.
+The README's performance table (from the newest bench-peers reports under docs/bench/,
+`gateway.pool.bench.glance`), docs/settings.md (from the settings classes),
+docs/metrics.md (from the registry), and deploy/.env.example (`gateway.pool.envfile`). ``kvpool docs``
+rewrites them; ``kvpool docs --check`` (and a test) fails when they drift from the code or
+the reports.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 from prometheus_client import REGISTRY
 
 from gateway.pool import envfile
+from gateway.pool.bench import glance
 
 _OWNERS = {
     "StoreSettings": "store",
@@ -48,17 +52,28 @@ def metrics_table() -> str:
     return "\n".join(rows)
 
 
-SECTIONS = {"settings": settings_table, "metrics": metrics_table}
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository (the README's folder)."""
 
 
-def render(readme: str) -> str:
-    for name, make in SECTIONS.items():
+PAGES = {"README.md": ("performance",), "docs/settings.md": ("settings",), "docs/metrics.md": ("metrics",)}
+"""The generated sections of each page, relative to the repository."""
+
+
+def render(text: str, root: Path = ROOT, names: tuple[str, ...] = PAGES["README.md"]) -> str:
+    """``text`` with its generated sections ``names`` made anew; ``root`` is the repository (docs/bench/ is read from there)."""
+    sections: dict[str, Callable[[], str]] = {
+        "performance": lambda: glance.table(root / "docs" / "bench", root),
+        "settings": settings_table,
+        "metrics": metrics_table,
+    }
+    for name in names:
         pattern = re.compile(rf"(<!-- {name}:begin -->\n).*?(<!-- {name}:end -->)", re.S)
-        m = pattern.search(readme)
+        m = pattern.search(text)
         if m is None:
-            raise ValueError(f"README has no <!-- {name}:begin --> ... <!-- {name}:end --> section")
-        readme = readme[: m.start()] + m.group(1) + make() + "\n" + m.group(2) + readme[m.end() :]
-    return readme
+            raise ValueError(f"no <!-- {name}:begin --> ... <!-- {name}:end --> section")
+        text = text[: m.start()] + m.group(1) + sections[name]() + "\n" + m.group(2) + text[m.end() :]
+    return text
 
 
 @click.command("docs")
@@ -67,7 +82,7 @@ def render(readme: str) -> str:
     type=click.Path(path_type=Path),
     default=Path("README.md"),
     show_default=True,
-    help="The README whose generated tables are written or checked.",
+    help="The README whose generated table is written or checked; docs/ beside it holds the other pages.",
 )
 @click.option(
     "--deploy",
@@ -78,9 +93,14 @@ def render(readme: str) -> str:
 )
 @click.option("--check", is_flag=True, help="Exit 1 if a generated file is out of date instead of rewriting it.")
 def docs_command(readme: Path, deploy: Path, check: bool) -> None:
-    """Regenerate the README's settings table and metrics list, and deploy/.env.example."""
+    """Regenerate the README's performance table (from docs/bench/), docs/settings.md, docs/metrics.md and deploy/.env.example."""
     try:
-        targets = {readme: render(readme.read_text()), deploy / ".env.example": envfile.render(deploy.resolve())}
+        root = readme.resolve().parent
+        targets = {readme: render(readme.read_text(), root)}
+        for page, names in PAGES.items():
+            if page != "README.md":
+                targets[root / page] = render((root / page).read_text(), root, names)
+        targets[deploy / ".env.example"] = envfile.render(deploy.resolve())
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     stale = [path for path, text in targets.items() if not path.exists() or path.read_text() != text]

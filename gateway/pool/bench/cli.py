@@ -30,8 +30,18 @@ def _command_line(ctx: click.Context) -> str:
         flag = p.opts[0]
         values = value if isinstance(value, tuple) else (value,)
         for v in values:
-            args += [flag] if v is True else [flag, str(v)]
+            args += [flag] if v is True else [flag, _portable(v)]
     return shlex.join(args)
+
+
+def _portable(value: object) -> str:
+    """A value as a report may show it: a path inside the working folder relative to it, any other path as DIR."""
+    if not isinstance(value, Path) or not value.is_absolute():
+        return str(value)
+    try:
+        return str(value.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return "DIR"
 
 
 def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:
@@ -271,6 +281,7 @@ def bench_peers_command(
     import logging
 
     from gateway.pool.bench.peers import run_peers
+    from gateway.pool.bench.provenance import provenance
     from worker.models.packaged import DEFAULT_MODEL, ensure_packaged
 
     out.mkdir(parents=True, exist_ok=True)
@@ -300,6 +311,7 @@ def bench_peers_command(
         decode_run_too=decode,
     )
     doc["command"] = _command_line(ctx).replace("kvpool bench", "kvpool bench-peers", 1)
+    doc["provenance"] = provenance(Path.cwd(), llama_server, threads)
     _write_peers(out, doc)
 
 

@@ -183,6 +183,17 @@ def _neighbour_table(runs: list[Run]) -> list[str]:
     return [*out, ""]
 
 
+def _provenance(facts: dict[str, Any] | None) -> list[str]:
+    if not facts:
+        return []
+    flags = ", ".join(facts.get("cpu_flags") or []) or "none of note"
+    return [
+        f"Run {facts.get('date')} at commit `{facts.get('commit') or 'unknown'}` on {facts.get('cpu') or 'an unknown CPU'} "
+        f"(flags: {flags}); llama-server: {facts.get('llama_server') or 'none'}.",
+        "",
+    ]
+
+
 def report(doc: dict[str, Any], command: str, plots: list[str] | tuple[str, ...] = ()) -> str:
     runs: list[Run] = doc["runs"]
     titles: dict[str, str] = doc.get("workloads", {})
@@ -190,6 +201,7 @@ def report(doc: dict[str, Any], command: str, plots: list[str] | tuple[str, ...]
     lines = [
         f"Model {doc['model']}, {doc['threads']} threads in all per system, context {doc['n_ctx']} per slot or worker.",
         "",
+        *_provenance(doc.get("provenance")),
         f"Command: `{command}`",
         "",
         *[f"![{name}]({name})\n" for name in plots],

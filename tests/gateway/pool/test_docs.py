@@ -1,13 +1,14 @@
-"""The README's tables and deploy/.env.example are generated, so they cannot drift from the code."""
+"""The generated docs (the README's performance table, docs/settings.md, docs/metrics.md, deploy/.env.example) cannot drift from the code or the reports."""
 
 import re
 from pathlib import Path
 
 from gateway.pool import envfile
-from gateway.pool.docs import render
+from gateway.pool.docs import PAGES, render
 
 ROOT = Path(__file__).resolve().parents[3]
 README = ROOT / "README.md"
+SETTINGS = ROOT / "docs" / "settings.md"
 
 
 def settings_table_variables(readme: str) -> set[str]:
@@ -26,14 +27,15 @@ def variables_named_in_code() -> dict[str, list[str]]:
     return found
 
 
-def test_readme_tables_are_up_to_date() -> None:
-    text = README.read_text()
-    assert render(text) == text, "run `kvpool docs` to regenerate README.md"
+def test_generated_pages_are_up_to_date() -> None:
+    for page, names in PAGES.items():
+        text = (ROOT / page).read_text()
+        assert render(text, ROOT, names) == text, f"run `kvpool docs` to regenerate {page}"
 
 
 def test_every_setting_is_in_the_settings_table() -> None:
     """Each settings class's fields and the root command's own variables (KVPOOL_LOG_LEVEL, KVPOOL_LOG_JSON)."""
-    listed = settings_table_variables(README.read_text())
+    listed = settings_table_variables(SETTINGS.read_text())
     assert {"KVPOOL_CHUNK_SIZE", "KVPOOL_N_BATCH", "KVPOOL_PORT", "KVPOOL_MODEL_CACHE", "KVPOOL_LOG_LEVEL"} <= set(envfile.settings())
     assert sorted(set(envfile.settings()) - listed) == []
 
@@ -42,7 +44,7 @@ def test_every_variable_the_code_names_is_in_the_settings_table() -> None:
     """A KVPOOL_* variable read by hand (os.environ, a click envvar, a help text) and missing from the table fails here."""
     named = variables_named_in_code()
     assert len(named) > 20 and "KVPOOL_MODEL_SHA256" in named and "KVPOOL_S3_ACCESS_KEY_ID" in named  # the scan reads the code
-    listed = settings_table_variables(README.read_text())
+    listed = settings_table_variables(SETTINGS.read_text())
     assert {name: files for name, files in named.items() if name not in listed} == {}
 
 
@@ -72,9 +74,65 @@ def test_a_stale_env_example_fails_the_check_and_is_rewritten(tmp_path: Path) ->
     deploy = tmp_path / "deploy"
     shutil.copytree(README.parent / "deploy", deploy)
     shutil.copy(README, tmp_path / "README.md")
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
     (deploy / ".env.example").write_text("# KVPOOL_CHUNK_SIZE=1\n")
     args = ["--readme", str(tmp_path / "README.md"), "--deploy", str(deploy)]
     check = CliRunner().invoke(docs_command, [*args, "--check"])
     assert check.exit_code == 1 and ".env.example" in check.output
     assert CliRunner().invoke(docs_command, args).exit_code == 0
     assert (deploy / ".env.example").read_text() == (README.parent / "deploy" / ".env.example").read_text()
+
+
+def performance_section(readme: str) -> str:
+    return readme.split("<!-- performance:begin -->", 1)[1].split("<!-- performance:end -->", 1)[0]
+
+
+def test_every_figure_of_the_performance_table_is_in_the_report_it_links() -> None:
+    section = performance_section(README.read_text())
+    reports = re.findall(r"\]\((docs/bench/[^)]+/peers\.md)\)", section)
+    assert len(reports) == 2, section
+    said = " ".join((ROOT / r).read_text() for r in reports)
+    figures = re.findall(r"\b\d+\.\d+x|\b\d+\.\d\d(?= s\b)|\b\d+(?= tokens/s)", section)
+    assert len(figures) > 20
+    assert [f for f in figures if f not in said] == []
+    readme = README.read_text().replace(section, "")
+    assert re.findall(r"\b\d+\.\d+x\b|\b\d+(?:\.\d+)? tokens/s", readme) == [], "no figure outside the generated table"
+
+
+def test_the_docs_check_fails_when_the_table_and_the_report_part_ways(tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from click.testing import CliRunner
+
+    from gateway.pool.docs import docs_command
+
+    shutil.copytree(ROOT / "deploy", tmp_path / "deploy")
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    shutil.copy(README, tmp_path / "README.md")
+    args = ["--readme", str(tmp_path / "README.md"), "--deploy", str(tmp_path / "deploy"), "--check"]
+    assert CliRunner().invoke(docs_command, args).exit_code == 0
+    report = tmp_path / "docs/bench/defaults-2026-12-07/smollm2-c4/peers.json"
+    doc = json.loads(report.read_text())
+    doc["runs"][0]["wall_s"] += 1.0  # llama-server 4 slots' W1, one second slower
+    report.write_text(json.dumps(doc))
+    check = CliRunner().invoke(docs_command, args)
+    assert check.exit_code == 1 and "README.md" in check.output
+    assert CliRunner().invoke(docs_command, args[:-1]).exit_code == 0  # `kvpool docs` writes the table anew
+    assert "26.67 s" in performance_section((tmp_path / "README.md").read_text())
+
+
+def test_the_bench_index_lists_every_report_and_docs_name_no_local_path() -> None:
+    bench = ROOT / "docs" / "bench"
+    index = (bench / "README.md").read_text()
+    reports = [p.relative_to(bench).as_posix() for p in bench.rglob("*.md") if p != bench / "README.md"]
+    assert [r for r in reports if f"[{r}]({r})" not in index] == []
+    for row in re.findall(r"^\| \[[^]]+\]\([^)]+\) \|.*$", index, re.M):
+        assert re.search(r"\| \d{4}-\d\d-\d\d \| `[0-9a-f]{7,}` \| [a-z-]+ \| (current|superseded|notes) \|$", row), row
+    local = re.compile(r"(/work/|/root/|/home/|/tmp/)")
+    found = [
+        str(p)
+        for p in (ROOT / "docs").rglob("*")
+        if p.is_file() and p.suffix != ".py" and p.suffix != ".png" and local.search(p.read_text(errors="replace"))
+    ]
+    assert found == []
