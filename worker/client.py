@@ -61,10 +61,18 @@ def parse_event(fields: dict[bytes, bytes]) -> Event:
     return _EVENT.validate_python(json.loads(fields[b"e"]))
 
 
+def take_event(once: Once, fields: dict[bytes, bytes]) -> Event | None:
+    """The event of a stream entry, or None for the repeat of a retried write or an entry of a superseded attempt (`Once`)."""
+    if not once.fresh(fields):
+        return None
+    event = parse_event(fields)
+    return event if once.current(fields, isinstance(event, StartEvent)) else None
+
+
 def _entries(batch: list[Any], once: Once) -> tuple[bytes, list[Event]]:
-    """The last entry id and the events of one XREAD reply for one stream, less the repeats of retried writes."""
+    """The last entry id and the events of one XREAD reply for one stream that a reader takes (`take_event`)."""
     entries = batch[0][1]
-    return entries[-1][0], [parse_event(fields) for _, fields in entries if once.fresh(fields)]
+    return entries[-1][0], [e for _, fields in entries if (e := take_event(once, fields)) is not None]
 
 
 def events(conn: redis.Redis, job_id: str, *, timeout_s: float = 600.0, block_ms: int = 1000) -> Iterator[Event]:

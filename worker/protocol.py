@@ -54,15 +54,23 @@ def entry(event_json: str, writer: str, n: int) -> dict[str, str | int]:
 
 
 class Once:
-    """Which entries of one job's stream a reader has seen: `fresh` is False for the repeat of a retried write.
+    """Which entries of one job's stream a reader takes: each once, and only those of the job's latest attempt.
 
-    A writer's entries reach the stream in the order of their ``n``, so an entry whose ``n``
-    is not above the last seen from its writer repeats one. Entries without ``w`` and ``n``
-    (written by a worker older than this format) are all fresh.
+    * A writer's entries reach the stream in the order of their ``n``, so an entry whose ``n``
+      is not above the last seen from its writer repeats one (a write retried after Redis
+      applied it but lost its reply): `fresh` is False for it.
+    * Each attempt writes through a writer of its own (`worker.jobs.JobStream`) and starts
+      with a start event. RQ may retry a job whose first attempt still runs (its heartbeat
+      lapsed during a Redis pause), and then both write to the stream: `current` is False
+      for any entry of a writer other than the one whose start came last, so a reader
+      never joins one attempt's tokens to another's.
+
+    Entries without ``w`` and ``n`` (written by a worker older than this format) are all taken.
     """
 
     def __init__(self) -> None:
         self._last: dict[bytes, int] = {}
+        self._attempt: bytes | None = None
 
     def fresh(self, fields: dict[bytes, bytes]) -> bool:
         writer, n = fields.get(b"w"), fields.get(b"n")
@@ -72,6 +80,14 @@ class Once:
             return False
         self._last[writer] = int(n)
         return True
+
+    def current(self, fields: dict[bytes, bytes], starts: bool) -> bool:
+        """Whether a fresh entry belongs to the latest attempt; ``starts``: it is a start event (its writer becomes the latest)."""
+        writer = fields.get(b"w")
+        if starts:
+            self._attempt = writer
+            return True
+        return writer is None or self._attempt is None or writer == self._attempt
 
 
 def cancel_key(job_id: str) -> str:

@@ -20,7 +20,7 @@ from gateway.errors import APIError, Overloaded, WorkerFailed
 from gateway.responses import chat_body, completion_body
 from gateway.settings import GatewaySettings
 from worker.advert import adverts
-from worker.client import ENDED, JobStatus, cancel, delete_job, job_key, job_status, parse_event, requeue_stranded, return_value
+from worker.client import ENDED, JobStatus, cancel, delete_job, job_key, job_status, requeue_stranded, return_value, take_event
 from worker.protocol import (
     STREAM_PREFIX,
     DoneEvent,
@@ -186,8 +186,8 @@ class Runner:
                     break
                 flight.last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                 self._progress_at = time.monotonic()
-                if flight.once.fresh(fields):
-                    self._on_event(flight, parse_event(fields))
+                if (event := take_event(flight.once, fields)) is not None:
+                    self._on_event(flight, event)
 
     def _on_event(self, flight: Flight, ev: object) -> None:
         if isinstance(ev, StartEvent):
