@@ -25,12 +25,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 import redis
 
+from worker.errors import JobAborted
 from worker.protocol import lease_key
 
 log = logging.getLogger("kvpool.worker.leases")
@@ -147,11 +148,16 @@ class Leases:
             except redis.RedisError as e:
                 log.warning("lease.release_failed", extra={"reason": str(e), "leases": len(claim.keys)})
 
-    def wait(self, keys: Sequence[bytes], max_wait_s: float) -> LeaseOutcome:
-        """Wait until none of ``keys`` is leased any more, or until ``max_wait_s`` have passed, or Redis fails."""
+    def wait(self, keys: Sequence[bytes], max_wait_s: float, watch: Callable[[], str | None] | None = None) -> LeaseOutcome:
+        """Wait until none of ``keys`` is leased any more, or until ``max_wait_s`` have passed, or Redis fails.
+
+        Raises `JobAborted` as soon as ``watch`` (the job's, `worker.jobs.JobStream.watch`) says the job should stop.
+        """
         names = [lease_key(k) for k in keys]
         deadline = time.monotonic() + max_wait_s
         while True:
+            if watch is not None and (why := watch()) is not None:
+                raise JobAborted(why)
             try:
                 if not self.conn.exists(*names):
                     return LeaseOutcome.RELEASED

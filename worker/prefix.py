@@ -119,11 +119,20 @@ class PrefixFinder:
         wait), and only the one acted on is logged and counted.
         """
         plan = self.coalesce(ns, tokens, keys, self.prepare(ns, tokens, keys))
-        if plan.pending is not None:
-            self._restore(ns, tokens, keys, plan.local, plan.pending, plan)
-            plan.pending = None
-        self._report(plan)
+        try:
+            if plan.pending is not None:
+                self._restore(ns, tokens, keys, plan.local, plan.pending, plan)
+                plan.pending = None
+            self._report(plan)
+        except BaseException:
+            self._release(plan)  # the job never starts: no one else would end the leases it took
+            raise
         return plan
+
+    def _release(self, plan: Plan) -> None:
+        claim, plan.claim = plan.claim, None
+        if claim is not None and self.leases is not None:
+            self.leases.release(claim)
 
     def prepare(self, ns: Namespace, tokens: list[int], keys: list[BlobKey]) -> Plan:
         """Find the deepest prefix available, locally or in the store, and decide what of the store's to restore (`Plan.pending`).
@@ -222,7 +231,7 @@ class PrefixFinder:
         else:
             max_wait = max(self.leases.min_wait_s, self.eval_rate.seconds_for(n * c, default_s=self.leases.lease_ms / 1000))
         t0 = time.perf_counter()
-        outcome = self.leases.wait(ahead[:n], max_wait)
+        outcome = self.leases.wait(ahead[:n], max_wait, getattr(self.llm, "watch", None))  # a client's cancel ends the wait
         waited = time.perf_counter() - t0
         metrics.LEASE_WAITS.labels(**self.labels, outcome=outcome).inc()
         metrics.LEASE_WAIT_SECONDS.labels(**self.labels).observe(waited)

@@ -10,14 +10,22 @@ job past its expiry.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
+import pytest
 import redis
 
-from tests.helpers import POOL_CHUNK, PoolClient
+from store.backends.fs import FsBackend
+from store.index import RedisIndex
+from store.store import Store
+from tests.helpers import POOL_CHUNK, PoolClient, prompt_text
+from worker.engine import Engine
+from worker.errors import JobAborted
 from worker.leases import EvalRate, Leases, leased_by_others
 from worker.namespace import namespace_for
-from worker.protocol import lease_key
+from worker.protocol import SamplingParams, job_spec, lease_key
+from worker.settings import WorkerSettings
 
 KEYS = [bytes([i]) * 16 for i in range(4)]
 
@@ -123,3 +131,49 @@ def test_a_lease_left_by_a_dead_holder_delays_no_job_past_its_expiry(start_worke
         assert time.monotonic() < deadline, "its own leases were not released after its publish"
         time.sleep(0.02)
     assert client.conn.exists(*[f"kvpool:v1:chunk:{k.hex()}" for k in ns_keys]) == len(ns_keys), "it published the prefix"
+
+
+def test_a_prefix_search_that_raises_after_leasing_leaves_no_lease_behind(
+    tiny_model: Path, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job never starts, so nothing else would release its leases: a live worker would renew them for its whole life."""
+    conn = redis.Redis.from_url(redis_url)
+    store = Store(FsBackend(tmp_path / "blobs"), RedisIndex.from_url(redis_url))
+    settings = WorkerSettings(chunk_size=POOL_CHUNK, n_ctx=512, n_threads=1, parallel=1, self_check=False, lease_s=0.3)
+    engine = Engine.open(settings, tiny_model, store=store, name="leaser")
+    try:
+        assert engine.leases is not None
+        tokens = engine.llm.tokenize(prompt_text(71, 150).encode())
+        spec = job_spec(tokens, model=engine.fingerprint, chunk_size=POOL_CHUNK, sampling=SamplingParams(max_tokens=1, temperature=0.0))
+
+        def broken(plan: object) -> None:
+            assert conn.keys("kvpool:lease:*"), "the search had leased the chunks it would evaluate"
+            raise RuntimeError("the prefix search failed")
+
+        monkeypatch.setattr(engine.finder, "_report", broken)
+        with pytest.raises(RuntimeError, match="prefix search failed"):
+            engine.run(spec, lambda ev: True)
+        assert conn.keys("kvpool:lease:*") == [], "released at once"
+        assert engine.leases._claims == [], "nothing renews them either"
+    finally:
+        engine.close()
+        store.close()
+
+
+def test_a_wait_for_a_lease_ends_when_the_job_is_cancelled(redis_url: str) -> None:
+    conn = redis.Redis.from_url(redis_url)
+    holder, waiter = Leases(conn, "holder", lease_s=30), Leases(conn, "waiter", lease_s=30)
+    try:
+        holder.claim(KEYS[:1])
+        asked: list[float] = []
+
+        def watch() -> str | None:
+            asked.append(time.monotonic())
+            return "cancelled by the client" if len(asked) > 3 else None
+
+        with pytest.raises(JobAborted, match="cancelled"):
+            waiter.wait(KEYS[:1], max_wait_s=600, watch=watch)
+        assert len(asked) == 4 and conn.exists(lease_key(KEYS[0])), "the holder's lease stands; the waiter gave up"
+    finally:
+        holder.close()
+        waiter.close()
