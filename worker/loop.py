@@ -116,8 +116,8 @@ class EngineLoop:
         if len(tokens) == 0:
             raise ValueError("nothing to decode")
         req = Request(seq, list(tokens), pos, rows)
-        self._submit(lambda: self._queue.append(req))
-        try:
+        try:  # the submit too: an exception between it and the wait would leave a request no one waits for
+            self._submit(lambda: self._queue.append(req))
             while not req.finished.wait(WAIT_S):
                 if watch is not None and (why := watch()) is not None:
                     raise JobAborted(why)
@@ -166,7 +166,10 @@ class EngineLoop:
             self._cv.notify_all()
         self._thread.join(timeout=30)
         batch, self._batch = self._batch, None
-        llama_cpp.llama_batch_free(batch)
+        if self._thread.is_alive():  # still in a call that uses the batch: never free it under it (the process is ending)
+            log.warning("loop.close_timed_out", extra={"waited_s": 30})
+        else:
+            llama_cpp.llama_batch_free(batch)
         log.info(
             "loop.totals",
             extra={
@@ -213,13 +216,7 @@ class EngineLoop:
         with self._cv:
             calls = plan_round([r for r in self._queue if not r.abandoned], self.n_ubatch, self.prefill_chunk)
         for call, kind in zip(calls, call_kinds(calls), strict=True):
-            try:
-                self._call(call, kind)
-            except Exception as e:  # never leave a job waiting on a call that failed
-                log.exception("loop.call_failed")
-                for req, _n in call:
-                    req.error = e
-                    req.finished.set()
+            self._call_or_split(call, kind)
         with self._cv:
             self._settle_round(calls)
             dropped = self._take_abandoned()
@@ -289,8 +286,43 @@ class EngineLoop:
                         self._expected.add(req.seq)
         self._cv.notify_all()
 
-    def _call(self, call: list[Piece], kind: CallKind) -> None:
-        """One ``llama_decode`` of the pieces (and fillers); each request whose last token went in gets its logits."""
+    def _call_or_split(self, call: list[Piece], kind: CallKind) -> None:
+        """`_call`; where it fails, the call's pieces again in two halves, down to one: only the request at fault fails.
+
+        llama.cpp refuses a whole batch for one sequence's fault (positions that do not follow
+        its cells, no room left in its stream), and its other sequences did nothing wrong:
+        as llama-server halves a batch that found no room, the halves are decoded apart, each
+        after the cells the failed call placed are removed, so a request's cells are those of
+        one successful call.
+        """
+        try:
+            rc = self._call(call, kind)
+        except Exception as e:  # never leave a job waiting on a call that failed
+            log.exception("loop.call_failed")
+            rc, error = -1, e
+        else:
+            if rc == 0:
+                return
+            error = RuntimeError(f"llama_decode returned {rc}")
+        mem = llama_cpp.llama_get_memory(self.llm.ctx)
+        for req, _n in call:
+            llama_cpp.llama_memory_seq_rm(mem, req.seq, req.pos + req.done, -1)  # back to before the call
+        if len(call) > 1:
+            log.warning("loop.call_split", extra={"rc": rc, "pieces": len(call), "seqs": sorted({r.seq for r, _ in call})})
+            half = len(call) // 2
+            for part in (call[:half], call[half:]):
+                self._call_or_split(part, kind)
+            return
+        req = call[0][0]
+        log.error("loop.request_failed", extra={"seq": req.seq, "pos": req.pos + req.done, "tokens": call[0][1], "rc": rc})
+        req.error = error
+        req.finished.set()
+
+    def _call(self, call: list[Piece], kind: CallKind) -> int:
+        """One ``llama_decode`` of the pieces (and fillers); each request whose last token went in gets its logits.
+
+        Returns llama.cpp's status: where it is not 0, no request got anything (`_call_or_split` decides what follows).
+        """
         mem = llama_cpp.llama_get_memory(self.llm.ctx)
         gaps = self._fillers(call, kind) if self.step_cost else []
         rows: list[tuple[int, Request | None, int]] = sorted(
@@ -315,8 +347,10 @@ class EngineLoop:
         self.filled += len(gaps) * call[0][1]
         for seq, pos in gaps:  # gone again: the sequence's cells, and where they are, as before the call
             llama_cpp.llama_memory_seq_rm(mem, seq, pos, -1)
-        for req, first, n in outputs:
-            self._collect(req, first, n, rc)
+        if rc == 0:
+            for req, first, n in outputs:
+                self._collect(req, first, n)
+        return int(rc)
 
     def _put(self, i: int, seq: int, tokens: list[int], pos: int, *, logits: bool, last: bool = False) -> int:
         """Write ``tokens`` of ``seq`` from position ``pos`` at batch index ``i``; logits for all, or for the last if ``last``."""
@@ -370,11 +404,7 @@ class EngineLoop:
 
         return self.run(0, measure)
 
-    def _collect(self, req: Request, first: int, n: int, rc: int) -> None:
-        if rc != 0:
-            req.error = RuntimeError(f"llama_decode returned {rc}")
-            req.finished.set()
-            return
+    def _collect(self, req: Request, first: int, n: int) -> None:
         ctx = self.llm.ctx
         if req.rows:
             if req.out is None:

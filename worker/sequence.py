@@ -154,9 +154,17 @@ class SeqView:
         return self.loop.run(self.seq, read)
 
     def clear(self) -> None:
-        """Remove every cell of the sequence, and what the view records of them."""
-        self.loop.run(self.seq, lambda llm: llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.ctx), self.seq, -1, -1))
-        self.reset()
+        """Remove every cell of the sequence, and what the view records of them, in one task of the loop.
+
+        The records change with the cells, on the loop's thread: a sibling's copy in the same
+        batch of tasks (`worker.siblings`) never finds records of cells that are gone.
+        """
+
+        def clear(llm: llama_cpp.Llama) -> None:
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.ctx), self.seq, -1, -1)
+            self.reset()
+
+        self.loop.run(self.seq, clear)
 
     # -- sampling (llama-cpp-python's chain, applied to this sequence's logits) --------
 

@@ -38,6 +38,7 @@ import llama_cpp
 import numpy as np
 
 from worker import metrics
+from worker.errors import StateRestoreError
 from worker.held import Held
 from worker.llama_state import read_ctx_state, write_ctx_state
 from worker.sequence import restream
@@ -65,7 +66,7 @@ APPLY_UPDATES = _memory_update()
 
 
 def held_for(held: Held, tenant: str, tokens: np.ndarray) -> int:
-    """How many leading ``tokens`` ``held``'s sequence holds exactly for ``tenant``; read in the loop's thread."""
+    """How many leading ``tokens`` ``held``'s sequence holds exactly for ``tenant``, by its records; read in the loop's thread."""
     view = held.llm
     if held.tenant != tenant:
         return 0
@@ -73,6 +74,18 @@ def held_for(held: Held, tenant: str, tokens: np.ndarray) -> int:
     mine = view.input_ids[:n]
     differ = (mine != tokens[:n]).nonzero()[0]
     return int(differ[0]) if len(differ) else n
+
+
+def cells_cover(llm: llama_cpp.Llama, seq: int, n: int) -> bool:
+    """Whether sequence ``seq``'s cells hold positions 0 ... n-1, as llama.cpp itself says; read in the loop's thread.
+
+    A sequence's records (`held_for`) say what its job last made of it, and a record may lag
+    its cells (a restore clearing them, a job that failed): copying from records alone
+    once copied an emptied stream, and llama.cpp accepts positions from n with no cells
+    below them, so the answer came out silently wrong. The cells are checked too.
+    """
+    mem = llama_cpp.llama_get_memory(llm.ctx)
+    return n > 0 and llama_cpp.llama_memory_seq_pos_min(mem, seq) == 0 and llama_cpp.llama_memory_seq_pos_max(mem, seq) >= n - 1
 
 
 def copy_from_sibling(held: Held, siblings: Sequence[Held], tenant: str, tokens: list[int], upto: int, labels: dict[str, str]) -> int:
@@ -90,8 +103,11 @@ def copy_from_sibling(held: Held, siblings: Sequence[Held], tenant: str, tokens:
     t0 = time.perf_counter()
 
     def copy(llm: llama_cpp.Llama) -> tuple[int, int, str]:
-        src, n = max(((h, min(held_for(h, tenant, want), upto)) for h in others), key=lambda p: p[1])
-        if n - have < MIN_TOKENS:
+        held_n = [(h, min(held_for(h, tenant, want), upto)) for h in others]
+        src, n = max(((h, n) for h, n in held_n if cells_cover(llm, h.llm.seq, n)), key=lambda p: p[1], default=(None, 0))
+        if src is None or n - have < MIN_TOKENS:
+            if any(n - have >= MIN_TOKENS for _, n in held_n):
+                log.warning("prefix.sibling_records_stale", extra={"to_seq": view.seq})  # records said more than the cells hold
             return -1, 0, ""
         seq = src.llm.seq
         view.reset()  # what this sequence held is gone from here on, whatever happens next
@@ -100,7 +116,11 @@ def copy_from_sibling(held: Held, siblings: Sequence[Held], tenant: str, tokens:
         if how == "state":
             state = read_ctx_state(llm.ctx, seq)
             write_ctx_state(llm.ctx, state if view.n_streams == 1 else restream(state, seq, view.seq, view.n_streams), view.seq)
-        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.ctx), view.seq, n, -1)
+        mem = llama_cpp.llama_get_memory(llm.ctx)
+        llama_cpp.llama_memory_seq_rm(mem, view.seq, n, -1)
+        if (llama_cpp.llama_memory_seq_pos_min(mem, view.seq), llama_cpp.llama_memory_seq_pos_max(mem, view.seq)) != (0, n - 1):
+            llama_cpp.llama_memory_seq_rm(mem, view.seq, -1, -1)  # not what was copied: hold nothing rather than a wrong cell
+            raise StateRestoreError(f"sequence {view.seq} holds other positions than the {n} copied from sequence {seq}")
         view.input_ids[:n] = want[:n]
         view.n_tokens = n
         held.hold(tenant, n)  # set here, in the loop's thread: siblings' copies read it between rounds

@@ -33,7 +33,11 @@ def _write_interleaved(conn: redis.Redis) -> None:
     first, second = JobStream(conn, JOB, ttl_s=60), JobStream(conn, JOB, ttl_s=60)
     order = [(first, StartEvent(attempt=1, worker="w1"))]
     order += [(first, TokenEvent(text=f"a{i}", token=i)) for i in range(1, 6)]
-    order += [(second, StartEvent(attempt=2, worker="w2")), (second, TokenEvent(text="b1", token=1)), (first, TokenEvent(text="a6", token=6))]
+    order += [
+        (second, StartEvent(attempt=2, worker="w2")),
+        (second, TokenEvent(text="b1", token=1)),
+        (first, TokenEvent(text="a6", token=6)),
+    ]
     order += [(second, TokenEvent(text=f"b{i}", token=i)) for i in range(2, 8)]
     order += [(second, DoneEvent(result=_result(7)))]
     for n, (stream, event) in enumerate(order, start=1):

@@ -26,7 +26,7 @@ import pytest
 from gateway.pool.procs import RedisServer
 from gateway.pool.s3server import S3Server
 from store.store import Store
-from tests.helpers import cold_greedy, prompt_text, s3_settings
+from tests.helpers import cold_greedy, poll, prompt_text, s3_settings
 from worker import metrics, siblings
 from worker.context import open_llama
 from worker.engine import Engine
@@ -167,3 +167,52 @@ def test_a_stream_copy_is_applied_at_once_and_holds_the_bytes_a_copy_through_hos
     second.forget_context()
     view.reset()
     assert describe_state(by_stream).n_cells == n and by_stream == by_state
+
+
+def test_a_sibling_whose_cells_are_gone_is_never_copied_from_whatever_its_records_say(engines: list[Engine], cold: llama_cpp.Llama) -> None:
+    """Its records lag its cells (a restore had removed them in a task, its job thread not yet caught up): the copy checks the cells."""
+    first, second = engines
+    tokens = cold.tokenize(prompt_text(91, 400).encode())[:300]
+    ask(first, tokens)
+    view = first.llm
+    assert isinstance(view, SeqView)
+    try:
+        view.loop.run(view.seq, lambda llm: llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.ctx), view.seq, -1, -1))
+        question = [*tokens, *cold.tokenize(b" And then?", add_bos=False)]
+        before = copied(second)
+        logits, result = ask(second, question)
+    finally:
+        first.forget_context()
+    assert copied(second) == before, "nothing was copied from an empty stream"
+    ref_logits, ref_tokens = cold_answer(cold, question)
+    assert np.array_equal(logits, ref_logits) and result.tokens == ref_tokens
+
+
+def test_a_clear_changes_the_sequences_records_in_the_same_task_as_its_cells(engines: list[Engine], cold: llama_cpp.Llama) -> None:
+    """A restore's clear and a sibling's look at the cleared sequence, in one batch of the loop's tasks: the look sees nothing held."""
+    first, _ = engines
+    tokens = cold.tokenize(prompt_text(92, 200).encode())
+    ask(first, tokens)
+    view = first.llm
+    assert isinstance(view, SeqView)
+    want = np.asarray(tokens, dtype=np.intc)
+    assert view.loop.run(1, lambda llm: siblings.held_for(first.held, "", want)) > 100
+    running, gate, seen = threading.Event(), threading.Event(), []
+
+    def hold_the_loop(llm: llama_cpp.Llama) -> None:
+        running.set()
+        gate.wait(30)
+
+    threads = [threading.Thread(target=view.loop.run, args=(1, hold_the_loop))]
+    threads[0].start()
+    running.wait(30)
+    threads.append(threading.Thread(target=view.clear))
+    threads.append(threading.Thread(target=lambda: seen.append(view.loop.run(1, lambda llm: siblings.held_for(first.held, "", want)))))
+    for i, t in enumerate(threads[1:], start=1):
+        t.start()
+        poll(lambda i=i: view.loop.pending() == i, "the task queued behind the held loop")
+    gate.set()
+    for t in threads:
+        t.join(30)
+    first.forget_context()
+    assert seen == [0], "the look ran right after the clear, and found nothing held"
