@@ -21,10 +21,10 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -36,10 +36,8 @@ CHECKS_VERSION = 1
 """Bumped whenever a start-up check changes what it runs or how it decides: every record then goes stale."""
 
 
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
-
-Outcome = TypeVar("Outcome", bound="DataclassInstance")
+Outcome = TypeVar("Outcome")
+"""A check's outcome: a frozen dataclass of plain fields (`worker.selfcheck.SelfCheck`, `worker.decoding.ModeChoice`)."""
 
 
 def default_folder() -> Path:
@@ -110,7 +108,7 @@ class CheckRecords:
                 pass  # none, unreadable, or another shape: check again
         outcome = run()
         if path is not None:
-            self._write(path, {"identity": self.identity, "outcome": asdict(outcome), "checked_at": time.time()})
+            self._write(path, {"identity": self.identity, "outcome": vars(outcome), "checked_at": time.time()})
         return outcome, "checked"
 
     @staticmethod
