@@ -57,15 +57,19 @@ class _LazyGroup(click.Group):
         return command
 
 
-def _not_installed(name: str, missing: str) -> click.Command:
+class NotInstalled(click.Command):
     """A stand-in for a command whose extra is not installed: listed in --help, and saying what to install when run."""
+
+
+def _not_installed(name: str, missing: str) -> click.Command:
+    """The stand-in of command ``name``, which needs the module ``missing``."""
     why = f"needs {missing}, which is not installed: pip install 'kvpool[{EXTRAS.get(name, 'test')}]'"
 
     def fail() -> None:
         raise click.ClickException(f"kvpool {name} {why}")
 
     settings = {"ignore_unknown_options": True, "allow_extra_args": True}
-    return click.Command(
+    return NotInstalled(
         name, callback=fail, help=why, short_help=f"(not installed) {why}", context_settings=settings, add_help_option=False
     )
 

@@ -2,7 +2,8 @@
 
 The README's performance table (from the newest bench-peers reports under docs/bench/,
 `gateway.pool.bench.glance`), docs/settings.md (from the settings classes),
-docs/metrics.md (from the registry), and deploy/.env.example (`gateway.pool.envfile`). ``kvpool docs``
+docs/metrics.md (from the registry), docs/commands.md (from the command line's own
+definitions, `gateway.pool.commands`), and deploy/.env.example (`gateway.pool.envfile`). ``kvpool docs``
 rewrites them; ``kvpool docs --check`` (and a test) fails when they drift from the code or
 the reports.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 import click
 from prometheus_client import REGISTRY
 
-from gateway.pool import envfile
+from gateway.pool import commands, envfile
 from gateway.pool.bench import glance
 
 _OWNERS = {
@@ -56,7 +57,12 @@ ROOT = Path(__file__).resolve().parents[2]
 """The repository (the README's folder)."""
 
 
-PAGES = {"README.md": ("performance",), "docs/settings.md": ("settings",), "docs/metrics.md": ("metrics",)}
+PAGES = {
+    "README.md": ("performance",),
+    "docs/settings.md": ("settings",),
+    "docs/metrics.md": ("metrics",),
+    "docs/commands.md": ("commands",),
+}
 """The generated sections of each page, relative to the repository."""
 
 
@@ -66,6 +72,7 @@ def render(text: str, root: Path = ROOT, names: tuple[str, ...] = PAGES["README.
         "performance": lambda: glance.table(root / "docs" / "bench", root),
         "settings": settings_table,
         "metrics": metrics_table,
+        "commands": commands.page,
     }
     for name in names:
         pattern = re.compile(rf"(<!-- {name}:begin -->\n).*?(<!-- {name}:end -->)", re.S)
@@ -93,7 +100,7 @@ def render(text: str, root: Path = ROOT, names: tuple[str, ...] = PAGES["README.
 )
 @click.option("--check", is_flag=True, help="Exit 1 if a generated file is out of date instead of rewriting it.")
 def docs_command(readme: Path, deploy: Path, check: bool) -> None:
-    """Regenerate the README's performance table (from docs/bench/), docs/settings.md, docs/metrics.md and deploy/.env.example."""
+    """Regenerate the README's performance table (from docs/bench/), docs/settings.md, docs/metrics.md, docs/commands.md and deploy/.env.example."""
     try:
         root = readme.resolve().parent
         targets = {readme: render(readme.read_text(), root)}

@@ -1,4 +1,4 @@
-"""The generated docs (the README's performance table, docs/settings.md, docs/metrics.md, deploy/.env.example) cannot drift from the code or the reports."""
+"""The generated docs (the README's performance table, docs/settings.md, docs/metrics.md, docs/commands.md, deploy/.env.example) cannot drift from the code or the reports."""
 
 import re
 from pathlib import Path
@@ -136,3 +136,40 @@ def test_the_bench_index_lists_every_report_and_docs_name_no_local_path() -> Non
         if p.is_file() and p.suffix != ".py" and p.suffix != ".png" and local.search(p.read_text(errors="replace"))
     ]
     assert found == []
+
+
+def test_a_stale_commands_page_fails_the_check_and_is_rewritten(tmp_path: Path) -> None:
+    """docs/commands.md is the command line's own definitions: a page that lost an option fails `kvpool docs --check`."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from gateway.pool.docs import docs_command
+
+    shutil.copytree(ROOT / "deploy", tmp_path / "deploy")
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    shutil.copy(README, tmp_path / "README.md")
+    page = tmp_path / "docs" / "commands.md"
+    current = page.read_text()
+    assert "| `--max-bytes` TEXT |" in current and "### `kvpool store gc`" in current and "### `kvpool bench-peers`" in current
+    page.write_text(current.replace("| `--max-bytes` TEXT |", "| `--budget` TEXT |"))
+    args = ["--readme", str(tmp_path / "README.md"), "--deploy", str(tmp_path / "deploy")]
+    check = CliRunner().invoke(docs_command, [*args, "--check"])
+    assert check.exit_code == 1 and "commands.md" in check.output
+    assert CliRunner().invoke(docs_command, args).exit_code == 0
+    assert page.read_text() == current
+
+
+def test_the_commands_page_names_every_command_and_option_of_the_command_line() -> None:
+    import click
+
+    from gateway.cli import main
+
+    page = (ROOT / "docs" / "commands.md").read_text()
+    ctx = click.Context(main, info_name="kvpool")
+    for name in main.list_commands(ctx):
+        command = main.get_command(ctx, name)
+        assert command is not None and f"### `kvpool {name}`" in page
+        for param in command.params:
+            if isinstance(param, click.Option):
+                assert f"`{param.opts[0]}`" in page, (name, param.opts)
