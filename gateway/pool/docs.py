@@ -1,7 +1,7 @@
 """``kvpool docs``: the generated parts of the docs.
 
-The README's performance table (from the newest bench-peers reports under docs/bench/,
-`gateway.pool.bench.glance`), docs/settings.md (from the settings classes),
+The README's performance table and chart (from the newest bench-peers reports under docs/bench/,
+`gateway.pool.bench.glance` and `glance_chart`; the chart is checked by the figures stamped into it), docs/settings.md (from the settings classes),
 docs/metrics.md (from the registry), docs/commands.md (from the command line's own
 definitions, `gateway.pool.commands`), and deploy/.env.example (`gateway.pool.envfile`). ``kvpool docs``
 rewrites them; ``kvpool docs --check`` (and a test) fails when they drift from the code or
@@ -18,7 +18,7 @@ import click
 from prometheus_client import REGISTRY
 
 from gateway.pool import commands, envfile
-from gateway.pool.bench import glance
+from gateway.pool.bench import glance, glance_chart
 
 _OWNERS = {
     "StoreSettings": "store",
@@ -100,7 +100,7 @@ def render(text: str, root: Path = ROOT, names: tuple[str, ...] = PAGES["README.
 )
 @click.option("--check", is_flag=True, help="Exit 1 if a generated file is out of date instead of rewriting it.")
 def docs_command(readme: Path, deploy: Path, check: bool) -> None:
-    """Regenerate the README's performance table (from docs/bench/), docs/settings.md, docs/metrics.md, docs/commands.md and deploy/.env.example."""
+    """Regenerate the README's performance table and chart (from docs/bench/), docs/settings.md, docs/metrics.md, docs/commands.md and deploy/.env.example."""
     try:
         root = readme.resolve().parent
         targets = {readme: render(readme.read_text(), root)}
@@ -108,13 +108,21 @@ def docs_command(readme: Path, deploy: Path, check: bool) -> None:
             if page != "README.md":
                 targets[root / page] = render((root / page).read_text(), root, names)
         targets[deploy / ".env.example"] = envfile.render(deploy.resolve())
+        chart, figures = root / glance_chart.NAME, glance_chart.figures(root / "docs" / "bench", root)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     stale = [path for path, text in targets.items() if not path.exists() or path.read_text() != text]
+    redraw = glance_chart.drawn_from(chart) != figures
     if check:
-        if stale:
-            raise click.ClickException(f"out of date: {', '.join(map(str, stale))}; run `kvpool docs`")
+        if stale or redraw:
+            raise click.ClickException(f"out of date: {', '.join(map(str, stale + [chart] * redraw))}; run `kvpool docs`")
         return
     for path in stale:
         path.write_text(targets[path])
         click.echo(f"wrote {path}")
+    if redraw:
+        try:
+            glance_chart.draw(figures, chart)
+        except ImportError:
+            raise click.ClickException("the performance chart needs matplotlib: pip install 'kvpool[bench]'") from None
+        click.echo(f"wrote {chart}")

@@ -20,6 +20,8 @@ from gateway.pool.bench.provenance import of_report
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 """The default model, whose reports the README shows."""
 SERVER = {1: "llama-server 1 slot", 4: "llama-server 4 slots"}
+CHART = "docs/glance.png"
+"""The chart under the table, relative to the repository (`gateway.pool.bench.glance_chart` draws it)."""
 DEFAULTS = ", defaults"
 """How the name of one kvpool worker at default settings ends in a report (``kvpool 1w x 2t, defaults``)."""
 
@@ -76,22 +78,34 @@ def _ratio(x: float) -> str:
     return f"{x:.2f}x, {'**win**' if round(x, 2) >= 1.0 else 'miss'}"
 
 
-def _cells(report: Report, workload: str, conc: int) -> list[str]:
+def workload_ratio(report: Report, workload: str, conc: int) -> float | None:
+    """llama-server's wall time over the default worker's on ``workload`` at ``conc`` clients (above 1: kvpool is faster)."""
     server, kvpool = report.run(SERVER[conc], workload, conc), report.run("kvpool", workload, conc)
-    if server is None or kvpool is None:
+    return None if server is None or kvpool is None else float(server["wall_s"] / kvpool["wall_s"])
+
+
+def decode_ratio(report: Report, conc: int) -> float | None:
+    """The default worker's decode tokens/s over llama-server's (``conc`` picks the 1- or 4-slot server)."""
+    server, kvpool = report.decode(SERVER[conc]), report.decode("kvpool")
+    return None if server is None or kvpool is None else float(kvpool["tokens_per_s"] / server["tokens_per_s"])
+
+
+def _cells(report: Report, workload: str, conc: int) -> list[str]:
+    server, kvpool, ratio = (
+        report.run(SERVER[conc], workload, conc),
+        report.run("kvpool", workload, conc),
+        workload_ratio(report, workload, conc),
+    )
+    if server is None or kvpool is None or ratio is None:
         return ["—", "—", "—"]
-    return [f"{server['wall_s']:.2f} s", f"{kvpool['wall_s']:.2f} s", _ratio(server["wall_s"] / kvpool["wall_s"])]
+    return [f"{server['wall_s']:.2f} s", f"{kvpool['wall_s']:.2f} s", _ratio(ratio)]
 
 
 def _decode_cells(report: Report, conc: int) -> list[str]:
-    server, kvpool = report.decode(SERVER[conc]), report.decode("kvpool")
-    if server is None or kvpool is None:
+    server, kvpool, ratio = report.decode(SERVER[conc]), report.decode("kvpool"), decode_ratio(report, conc)
+    if server is None or kvpool is None or ratio is None:
         return ["—", "—", "—"]
-    return [
-        f"{server['tokens_per_s']:.0f} tokens/s",
-        f"{kvpool['tokens_per_s']:.0f} tokens/s",
-        _ratio(kvpool["tokens_per_s"] / server["tokens_per_s"]),
-    ]
+    return [f"{server['tokens_per_s']:.0f} tokens/s", f"{kvpool['tokens_per_s']:.0f} tokens/s", _ratio(ratio)]
 
 
 def _facts_line(one: Report, four: Report, root: Path) -> list[str]:
@@ -128,5 +142,7 @@ def table(bench: Path, root: Path) -> str:
             "over kvpool's (tokens/s over tokens/s for decode): above 1.00x kvpool is faster.",
             "",
             *rows,
+            "",
+            f"![kvpool's speed against llama-server on each workload, at 1 and 4 clients]({CHART})",
         ]
     )

@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 from gateway.pool import envfile
+from gateway.pool.bench import glance_chart
 from gateway.pool.docs import PAGES, render
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -117,9 +118,46 @@ def test_the_docs_check_fails_when_the_table_and_the_report_part_ways(tmp_path: 
     doc["runs"][0]["wall_s"] += 1.0  # llama-server 4 slots' W1, one second slower
     report.write_text(json.dumps(doc))
     check = CliRunner().invoke(docs_command, args)
-    assert check.exit_code == 1 and "README.md" in check.output
-    assert CliRunner().invoke(docs_command, args[:-1]).exit_code == 0  # `kvpool docs` writes the table anew
+    assert check.exit_code == 1 and "README.md" in check.output and "glance.png" in check.output
+    assert CliRunner().invoke(docs_command, args[:-1]).exit_code == 0  # `kvpool docs` writes the table and the chart anew
     assert "26.67 s" in performance_section((tmp_path / "README.md").read_text())
+    drawn = glance_chart.drawn_from(tmp_path / glance_chart.NAME)
+    assert drawn is not None and drawn["speed"][0] == ["W1", 0.88, 2.49]  # 26.67 s over 10.69 s
+    assert CliRunner().invoke(docs_command, args).exit_code == 0
+
+
+def test_the_chart_shows_the_tables_figures_and_is_checked_by_them() -> None:
+    """The chart under the table is drawn from the same reports; the figures it was drawn from are stamped into it."""
+    section = performance_section(README.read_text())
+    assert f"]({glance_chart.NAME})" in section
+    drawn = glance_chart.drawn_from(ROOT / glance_chart.NAME)
+    assert drawn == glance_chart.figures(ROOT / "docs" / "bench", ROOT)
+    assert [f"{row[0]}: " for row in drawn["speed"][:-1]] == re.findall(r"^\| (W\d: )", section, re.M)
+    speeds = [f"{v:.2f}x" for row in drawn["speed"] for v in row[1:] if v is not None]
+    assert speeds == re.findall(r"(\d+\.\d\dx), (?:\*\*win\*\*|miss)", section)
+    assert all(link in section for link in drawn["reports"])
+
+
+def test_a_chart_drawn_from_other_figures_fails_the_check(tmp_path: Path) -> None:
+    import shutil
+
+    from click.testing import CliRunner
+
+    from gateway.pool.docs import docs_command
+
+    shutil.copytree(ROOT / "deploy", tmp_path / "deploy")
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    shutil.copy(README, tmp_path / "README.md")
+    chart = tmp_path / glance_chart.NAME
+    figures = glance_chart.figures(tmp_path / "docs" / "bench", tmp_path)
+    glance_chart.draw({**figures, "speed": [["W1", 1.5, 2.0]]}, chart)
+    args = ["--readme", str(tmp_path / "README.md"), "--deploy", str(tmp_path / "deploy")]
+    check = CliRunner().invoke(docs_command, [*args, "--check"])
+    assert check.exit_code == 1 and "glance.png" in check.output and "README.md" not in check.output
+    chart.write_bytes(b"not a png")
+    assert glance_chart.drawn_from(chart) is None
+    assert CliRunner().invoke(docs_command, args).exit_code == 0
+    assert glance_chart.drawn_from(chart) == figures
 
 
 def test_the_bench_index_lists_every_report_and_docs_name_no_local_path() -> None:
