@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gateway.pool.bench.workloads import WORKLOAD_KEYS
+from gateway.pool.bench.workloads import WORKLOAD_KEYS, WORKLOAD_TITLES
 
 if TYPE_CHECKING:
     from gateway.pool.bench.plan import ModelRun, Profile
@@ -86,7 +86,12 @@ def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:
     help="Blob store: an S3 endpoint (SeaweedFS started here unless --s3-endpoint-url) or a local folder.",
 )
 @click.option("--s3-endpoint-url", help="Use this S3 endpoint (credentials from KVPOOL_S3_ACCESS_KEY_ID/SECRET) instead of starting one.")
-@click.option("--workloads", default=",".join(WORKLOAD_KEYS), show_default=True, help="Comma-separated subset of the workloads.")
+@click.option(
+    "--workloads",
+    default=",".join(WORKLOAD_KEYS),
+    show_default=True,
+    help="Comma-separated subset of the workloads: " + ", ".join(f"{k} ({WORKLOAD_TITLES[k]})" for k in WORKLOAD_KEYS) + ".",
+)
 @click.option("--repeats", type=click.IntRange(min=1), help="Measured questions of the shared-prefix workload (overrides the profile).")
 @click.option("--cold-repeats", type=click.IntRange(min=1), help="Most measured requests per workload the cold system answers.")
 @click.option(
@@ -127,7 +132,7 @@ def bench_command(
     max_foreign_load: float | None,
     from_json: Path | None,
 ) -> None:
-    """Benchmark kvpool against llama-cpp-python (no cache, LlamaRAMCache, LlamaDiskCache) on four workloads.
+    """Benchmark kvpool against llama-cpp-python (no cache, LlamaRAMCache, LlamaDiskCache) on four workloads, B1-B4.
 
     Starts its own redis-server, S3 endpoint and kvpool workers, prints the expected
     duration and a line per step, then a table; writes report.md, results.json and

@@ -144,7 +144,7 @@ class Planner:
 
     @staticmethod
     def units(wl: Workload, round_index: int) -> list[list[str]]:
-        """Systems that run back to back: the suffix-only floor reuses the RAM cache's context, and on W4 the store-enabled
+        """Systems that run back to back: the suffix-only floor reuses the RAM cache's context, and on B4 the store-enabled
         and store-disabled workers form adjacent pairs (in alternating order) so that the cost of a miss is a paired difference."""
         kvpool = ["kvpool"]
         if wl.key == "unique":

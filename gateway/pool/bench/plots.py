@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.pool.bench.plan import SYSTEMS
-from gateway.pool.bench.report import WORKLOAD_TITLES
+from gateway.pool.bench.workloads import WORKLOAD_TITLES
 
 
 def plot(doc: dict[str, Any], out: Path) -> list[str]:

@@ -22,11 +22,11 @@ import numpy as np
 
 from gateway.pool.bench.measure import median, pct
 from gateway.pool.bench.plan import SYSTEMS
+from gateway.pool.bench.workloads import WORKLOAD_TITLES
 
 BATCH_SYSTEMS = {"kvpool-2w"}
 """Systems answering a whole workload at once: their time to first token includes the wait in the queue."""
 
-WORKLOAD_TITLES = {"shared": "W1 shared prefix", "chat": "W2 chat", "docs": "W3 documents", "unique": "W4 no sharing"}
 Run = dict[str, Any]
 
 
@@ -76,7 +76,7 @@ def summarize(run: Run) -> list[dict[str, Any]]:
 
 
 def _floor(run: Run) -> dict[str, Any] | None:
-    """kvpool's cross-worker time to first token on W1 against bytes / raw bandwidth + suffix-only evaluation."""
+    """kvpool's cross-worker time to first token on B1 against bytes / raw bandwidth + suffix-only evaluation."""
     raw = run.get("raw_get") or {}
     bws = raw.get("bytes_per_s") or []
     if not bws:
@@ -197,21 +197,21 @@ def _w1_targets(run: Run, rows: dict[tuple[str, str], dict[str, Any]]) -> list[d
         if fl and fl.get("floor_speedup_vs_cold")
         else ""
     )
-    out = [_target("W1 cross-worker TTFT, speed-up over cold", ">= 25x", sp, "{:.1f}x", None if sp is None else sp >= 25, note)]
+    out = [_target("B1 cross-worker TTFT, speed-up over cold", ">= 25x", sp, "{:.1f}x", None if sp is None else sp >= 25, note)]
     r = fl["ratio"] if fl else None
     floor_note = "floor = KV bytes / raw GET bandwidth + suffix-only evaluation"
-    out.append(_target("W1 cross-worker TTFT / physical floor", "<= 1.3x", r, "{:.2f}x", None if r is None else r <= 1.3, floor_note))
+    out.append(_target("B1 cross-worker TTFT / physical floor", "<= 1.3x", r, "{:.2f}x", None if r is None else r <= 1.3, floor_note))
     r = cross["ttft_p50_s"] / ram["ttft_p50_s"] if cross and ram else None
-    out.append(_target("W1 cross-worker TTFT / LlamaRAMCache same-process hit", "<= 1.5x", r, "{:.2f}x", None if r is None else r <= 1.5))
+    out.append(_target("B1 cross-worker TTFT / LlamaRAMCache same-process hit", "<= 1.5x", r, "{:.2f}x", None if r is None else r <= 1.5))
     r = cross["ttft_p50_s"] / disk["ttft_p50_s"] if cross and disk else None
-    out.append(_target("W1 cross-worker TTFT / LlamaDiskCache hit", "< 1x (ahead)", r, "{:.2f}x", None if r is None else r < 1))
+    out.append(_target("B1 cross-worker TTFT / LlamaDiskCache hit", "< 1x (ahead)", r, "{:.2f}x", None if r is None else r < 1))
     return out
 
 
 def _resume_targets(rows: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
     """A worker that never saw a prompt resumes where another stopped: cross-worker close to same-worker."""
     out = []
-    for wl, title in (("chat", "W2"), ("docs", "W3")):
+    for wl, title in (("chat", "B2"), ("docs", "B3")):
         cross, same = rows.get((wl, "kvpool-cross")), rows.get((wl, "kvpool"))
         r = cross["ttft_p50_s"] / same["ttft_p50_s"] if cross and same else None
         out.append(
@@ -233,7 +233,7 @@ def _store_targets(run: Run) -> list[dict[str, Any]]:
             f"{miss['outside_eval_added_s'] * 1e3:+.1f} ms ({miss['outside_eval_added_fraction'] * 100:+.2f}% of TTFT)"
         )
     shown = None if r is None else r * 100
-    out.append(_target("miss: TTFT added by the store (W4)", "<= +3%", shown, "{:+.2f}%", None if r is None else r <= 0.03, note))
+    out.append(_target("miss: TTFT added by the store (B4)", "<= +3%", shown, "{:+.2f}%", None if r is None else r <= 0.03, note))
     r = (run.get("hashing") or {}).get("total_p50_s")
     shown = None if r is None else r * 1e3
     out.append(_target("chain hashing + lookup, 32k tokens (p50)", "< 5 ms", shown, "{:.2f} ms", None if r is None else r < 0.005))

@@ -8,7 +8,8 @@ from typing import Any
 from gateway.pool.bench.measure import median
 from gateway.pool.bench.plan import SYSTEM_TITLES
 from gateway.pool.bench.plots import plot
-from gateway.pool.bench.report import TABLE_HEAD, WORKLOAD_TITLES, Run, rows_of, write_json
+from gateway.pool.bench.report import TABLE_HEAD, Run, rows_of, write_json
+from gateway.pool.bench.workloads import WORKLOAD_TITLES
 
 
 def _md_table(head: list[str], rows: list[list[str]]) -> str:
@@ -124,7 +125,7 @@ def _md_floor(run: Run) -> list[str]:
     fl = run.get("floor")
     if fl:
         out += [
-            "### Physical floor of a cross-worker hit (W1)",
+            "### Physical floor of a cross-worker hit (B1)",
             "",
             (
                 f"Raw GET bandwidth of the store endpoint, {run['raw_get']['objects']} objects of {run['raw_get']['object_bytes'] / 1e6:.2f} MB "
@@ -178,7 +179,7 @@ def _md_miss(run: Run) -> list[str]:
     miss = run.get("miss_cost")
     if miss:
         out += [
-            "### Cost of a miss (W4)",
+            "### Cost of a miss (B4)",
             "",
             (
                 f"Cold requests on a worker with the store enabled vs disabled, paired by prompt and run back to back "
@@ -205,7 +206,7 @@ def _md_throughput(run: Run) -> list[str]:
             else ""
         )
         out += [
-            "### Throughput (W3, 2 workers)",
+            "### Throughput (B3, 2 workers)",
             "",
             (
                 f"{thr['requests']} requests submitted at once to {thr['workers']} workers of {thr['threads_each']} thread: "
@@ -249,7 +250,7 @@ def _md_notes(run: Run) -> list[str]:
             "- `LlamaDiskCache` (llama-cpp-python 0.3.36) removes an entry when it reads it and stores the new prompt instead, so "
             "when requests alternate between documents most of its lookups find only the other document."
         ),
-        "- Both llama-cpp-python caches load a saved state even when it shares only BOS with the prompt (W4).",
+        "- Both llama-cpp-python caches load a saved state even when it shares only BOS with the prompt (B4).",
         "",
         "### Targets",
         "",

@@ -19,6 +19,8 @@ import llama_cpp
 import numpy as np
 
 WORKLOAD_KEYS = ("shared", "chat", "docs", "unique")
+WORKLOAD_TITLES = {"shared": "B1 shared prefix", "chat": "B2 chat", "docs": "B3 documents", "unique": "B4 no sharing"}
+"""How reports name the workloads: B1-B4, apart from `kvpool bench-peers`' W1-W4 (earlier reports call these W1-W4 too)."""
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ def test_quick_run_writes_the_report_and_plots(quick_results: tuple[Path, str]) 
     assert "kvpool bench --quick" in report and "### Targets" in report and "![ttft.png](ttft.png)" in report
     for png in ("ttft.png", "tokens.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "targets" in stdout and "W1 shared prefix" in stdout
+    assert "targets" in stdout and "B1 shared prefix" in stdout
 
 
 def test_workloads_are_deterministic_and_sized_as_asked(tiny_model: Path) -> None:
@@ -249,14 +249,15 @@ def test_bench_peers_judges_one_worker_at_default_settings_against_both_llama_se
 
 
 def test_the_committed_peers_report_is_what_its_recorded_json_gives(tmp_path: Path) -> None:
-    """docs/bench/peers.md, targets and verdicts included, is exactly the report of docs/bench/peers.json: nothing edited by hand."""
+    """docs/bench/peers.md, targets and verdicts included, is exactly the report of docs/bench/peers.json: nothing edited by hand but its superseded mark."""
     from gateway.pool.bench.cli import bench_peers_command
 
     docs = Path(__file__).resolve().parents[3] / "docs" / "bench"
     result = CliRunner().invoke(bench_peers_command, ["--from-json", str(docs / "peers.json"), "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     md = (tmp_path / "peers.md").read_text()
-    assert md == (docs / "peers.md").read_text()
+    mark, _, committed = (docs / "peers.md").read_text().partition("\n\n")
+    assert mark.startswith("> Superseded by [") and md == committed  # only the superseded mark is added by hand
     assert "### Targets" in md and "| met |" in md and "missed" in md  # the recorded run met some targets and missed others
 
 

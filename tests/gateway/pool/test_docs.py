@@ -211,3 +211,19 @@ def test_the_commands_page_names_every_command_and_option_of_the_command_line() 
         for param in command.params:
             if isinstance(param, click.Option):
                 assert f"`{param.opts[0]}`" in page, (name, param.opts)
+
+
+def test_every_superseded_report_names_what_superseded_it_at_its_top() -> None:
+    bench = ROOT / "docs" / "bench"
+    index = (bench / "README.md").read_text()
+    superseded = re.findall(r"^\| \[([^]]+)\]\([^)]+\) \|.*\| superseded \|$", index, re.M)
+    assert len(superseded) > 20
+    for report in superseded:
+        first = (bench / report).read_text().split("\n", 1)[0]
+        links = re.findall(r"\]\(([^)]+)\)", first)
+        assert first.startswith("> Superseded by [") and links, report
+        for link in links:
+            successor = ((bench / report).parent / link).resolve().relative_to(bench.resolve()).as_posix()
+            assert f"[{successor}]({successor}) |" in index and not index.split(f"[{successor}]({successor}) |", 1)[1].split("\n", 1)[
+                0
+            ].endswith("| superseded |"), (report, link)
