@@ -74,6 +74,7 @@ def create_app(settings: GatewaySettings, model_path: Path | None = None) -> Fas
         yield
         if service is not None:
             await run_in_threadpool(service.stop)
+        await gw.reader.close()
         await gw.aredis.aclose()  # type: ignore[attr-defined]  # redis-py 5's aclose(); the types-redis stubs predate it
 
     app = FastAPI(title="kvpool", version="0.1.0", lifespan=lifespan, description="OpenAI-compatible API over a kvpool worker pool.")

@@ -14,7 +14,7 @@ them) and then its `JobResult`, or raises an `APIError` that names the failure. 
   (`worker.client.arequeue_stranded`).
 
 A Redis that restarts mid-stream only pauses the relay: reading resumes after the last
-entry seen (`worker.client.aevents`).
+entry seen. The events come from the gateway's one reader of job streams (`gateway.streams`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from starlette.requests import Request
 
 from gateway import metrics
 from gateway.errors import Timeout, WorkerFailed
+from gateway.streams import StreamReader
 from worker.advert import ais_live
-from worker.client import aevents, arequeue_stranded, job_key
+from worker.client import arequeue_stranded, job_key
 from worker.protocol import DoneEvent, ErrorEvent, JobResult, StartEvent, TokenEvent, cancel_key
 
 log = logging.getLogger("kvpool.gateway")
@@ -45,6 +46,7 @@ CHECK_S = 2.0
 class RelayContext:
     request: Request
     aredis: redis.asyncio.Redis[bytes]
+    reader: StreamReader
     job_id: str
     queue: str
     """The shared queue, where a stranded job is put back."""
@@ -68,7 +70,7 @@ async def relay(ctx: RelayContext) -> AsyncGenerator[TokenEvent | JobResult]:
     next_check = time.monotonic() + CHECK_S
     finished = False
     try:
-        async for ev in aevents(ctx.aredis, ctx.job_id):
+        async for ev in ctx.reader.events(ctx.job_id):
             if time.perf_counter() > ctx.t0 + ctx.timeout_s:
                 metrics.CANCELLED.labels("timeout").inc()
                 raise Timeout(f"no answer within {ctx.timeout_s:.0f} s; the job was cancelled", code="timeout")

@@ -15,6 +15,7 @@ from gateway.prepare import Prepared, Preparer
 from gateway.relay import RelayContext
 from gateway.settings import GatewaySettings
 from gateway.starting import StartingPool
+from gateway.streams import StreamReader
 from gateway.tenants import Tenants
 from store.backends import open_backend
 from store.errors import StoreError
@@ -32,6 +33,8 @@ class Gateway:
             settings.redis_url, socket_connect_timeout=settings.connect_timeout_s, socket_timeout=settings.read_timeout_s
         )
         self.aredis = redis.asyncio.Redis.from_url(settings.redis_url, socket_connect_timeout=settings.connect_timeout_s)
+        self.reader = StreamReader(self.aredis)
+        """The one reader of every job stream this gateway relays (`gateway.streams`)."""
         self.dispatcher = Dispatcher(self.redis, settings)
         self.starting = StartingPool(self.aredis, self.dispatcher, settings, self.preparer.fingerprint)
 
@@ -45,6 +48,7 @@ class Gateway:
         return RelayContext(
             request,
             self.aredis,
+            self.reader,
             job_id,
             self.settings.queue,
             t0,

@@ -52,15 +52,17 @@ def bind(engine: Engine | None) -> None:
 class JobStream:
     """Writes a job's events to its Redis stream; every write also reports whether the client cancelled.
 
-    Token events are written by a thread of the stream's own, so the thread that decodes
-    never waits for Redis: the writer writes what it holds at most once per
-    ``interval_s`` (the first token at once), in one transaction, so a fast decode costs
-    Redis and the gateway one wake-up per interval instead of one per token (both share
-    the cores the model computes on). Every other event (start, done, error) is written
-    by the caller, after every token sent before it, and `send` returns once it is in
-    Redis: a job's outcome is in its stream before RQ hears of it. A token write that
-    fails for good (Redis away longer than the outage allows) fails the next `send`.
-    Whether the client cancelled is what the latest write found; `close` ends the writer.
+    Token events are written by the process's one `Emitter`, so the thread that decodes
+    never waits for Redis: the emitter writes every stream's held tokens together, in one
+    pipeline, at most once per ``interval_s`` (a stream's first token at once), so the
+    tokens of every sequence's step reach Redis, and wake the gateway's one reader
+    (`gateway.streams`), together. Every other event (start, done, error) is written by the
+    caller, after every token sent before it, and `send` returns once it is in Redis: a
+    job's outcome is in its stream before RQ hears of it. A token write that fails for
+    good (Redis away longer than the outage allows) fails the next `send`. Whether the
+    client cancelled is what the latest write found; `close` ends the stream's writes.
+    The stream's expiry is renewed by those events, and by a token write only once half of
+    ``ttl_s`` has passed since the last renewal, not by every write.
 
     Each entry names its writer (this stream, one per attempt) and its place among the
     writer's entries: a write retried after Redis applied it but lost its reply (a Redis
@@ -77,18 +79,22 @@ class JobStream:
         self.writer = uuid.uuid4().hex[:12]
         self._sent = 0
         self._held: list[tuple[int, str]] = []
-        self._wake = threading.Condition()
+        self._wake = threading.Lock()
+        """Guards ``_held`` (the decoding thread adds, the emitter and `send` take)."""
         self._writing = threading.Lock()
         """Held while events leave ``_held`` and are written: they reach Redis in the order sent."""
-        self._writer: threading.Thread | None = None
         self._closed = False
         self._failed: Exception | None = None
         self._cancelled = False
         self._watched_at = float("-inf")
-        self._outage_s = 10.0
+        self.outage_s = 10.0
+        self.written_at = float("-inf")
+        """When the emitter last wrote this stream's tokens (never: the first is due at once)."""
+        self.renewed_at = float("-inf")
+        """When the stream's expiry was last set."""
 
     def send(self, event: BaseModel, outage_s: float = 10.0) -> bool:
-        """Append ``event`` (a token through the writer, anything else at once); False once cancelled.
+        """Append ``event`` (a token through the emitter, anything else at once); False once cancelled.
 
         Rides out a Redis restart of up to ``outage_s`` seconds (`worker.redis_retry`).
         """
@@ -98,11 +104,8 @@ class JobStream:
                 raise self._failed
             with self._wake:
                 self._hold(line)
-                self._outage_s = outage_s
-                if self._writer is None:
-                    self._writer = threading.Thread(target=self._write_tokens, name=f"kvpool-{self.key}", daemon=True)
-                    self._writer.start()
-                self._wake.notify()
+                self.outage_s = outage_s
+            Emitter.shared().wake(self)
             return not self._cancelled
         with self._writing:
             with self._wake:
@@ -125,8 +128,21 @@ class JobStream:
         self._sent += 1
         self._held.append((self._sent, line))
 
+    def take(self) -> list[tuple[int, str]]:
+        """The held events, for a write (the caller holds ``_writing``); none once closed."""
+        with self._wake:
+            lines, self._held = ([], []) if self._closed else (self._held, [])
+        return lines
+
+    def put_back(self, lines: list[tuple[int, str]], error: Exception | None = None) -> None:
+        """Events a write did not get into Redis: they go out with the next write, in order (with ``error``: that write fails)."""
+        with self._wake:
+            self._held[:0] = lines
+            if error is not None:
+                self._failed = error
+
     def close(self) -> None:
-        """End the writer; once this returns, nothing of this attempt reaches the stream.
+        """End the stream's writes; once this returns, nothing of this attempt reaches the stream.
 
         A write in flight (riding out a Redis restart) finishes first: were it to land after
         a retried attempt's start, its tokens would count as the new attempt's. Tokens still
@@ -134,12 +150,11 @@ class JobStream:
         """
         with self._wake:
             self._closed = True
-            self._wake.notify()
         with self._writing, self._wake:
             self._held.clear()
 
     def _write(self, outage_s: float) -> bool:
-        """Write every held event in one transaction; the caller holds ``_writing``."""
+        """Write every held event, renew the stream's expiry, in one transaction; the caller holds ``_writing``."""
         with self._wake:
             lines, self._held = self._held, []
         if not lines:
@@ -156,33 +171,106 @@ class JobStream:
         try:
             done = ride_out(write, outage_s, what="job_stream", cap_s=STREAM_BACKOFF_CAP_S, give_up=STOPPING.is_set)
         except Exception:
-            with self._wake:  # not written: they go out with the next write (the job's error), in order
-                self._held[:0] = lines
+            self.put_back(lines)  # not written: they go out with the next write (the job's error), in order
             raise
+        self.renewed_at = time.monotonic()
         self._cancelled = bool(done[-1])
         return not self._cancelled
 
-    def _write_tokens(self) -> None:
-        """The writer thread: held tokens, at most once per interval, until `close`."""
-        written_at = float("-inf")
+    def saw_cancel(self, cancelled: bool) -> None:
+        self._cancelled = self._cancelled or cancelled
+
+
+class Emitter:
+    """The one thread of a worker process that writes every job stream's held tokens, together (see `JobStream`).
+
+    When the first stream with held tokens is due (its ``interval_s`` after its last write,
+    or at once for its first token), every stream holding tokens is written, in one
+    pipeline per Redis connection: each stream's tokens, then whether its client
+    cancelled, so one round trip carries the step of every sequence and reads every cancel.
+    A stream whose own event is being written by its job (`JobStream.send`) is skipped: that
+    write takes its tokens too.
+    """
+
+    _shared: Emitter | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> Emitter:
+        with cls._lock:
+            if cls._shared is None:
+                cls._shared = Emitter()
+            return cls._shared
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._dirty: set[JobStream] = set()
+        self.writes = 0
+        """Pipelines written (for tests and the A/B of the token path)."""
+        threading.Thread(target=self._run, name="kvpool-emitter", daemon=True).start()
+
+    def wake(self, stream: JobStream) -> None:
+        with self._cv:
+            self._dirty.add(stream)
+            self._cv.notify()
+
+    def _run(self) -> None:
         while True:
-            with self._wake:
-                self._wake.wait_for(lambda: bool(self._held) or self._closed)
-                due = written_at + self.interval_s
+            with self._cv:
+                while not self._dirty or (due := min(s.written_at + s.interval_s for s in self._dirty)) > time.monotonic():
+                    self._cv.wait(None if not self._dirty else max(0.0, due - time.monotonic()))
+                batch, self._dirty = self._dirty, set()
+            by_conn: dict[int, list[JobStream]] = {}
+            for s in batch:
+                by_conn.setdefault(id(s.conn), []).append(s)
+            for streams in by_conn.values():
+                self._write(streams)
 
-                def ready(due: float = due) -> bool:
-                    return self._closed or time.monotonic() >= due
+    def _write(self, streams: list[JobStream]) -> None:
+        """One pipeline of these streams' held tokens and cancel checks (one Redis connection); each stream's lock held throughout."""
+        taken: list[tuple[JobStream, list[tuple[int, str]]]] = []
+        for s in streams:
+            if not s._writing.acquire(blocking=False):
+                continue  # its job is writing an event: that write takes the tokens held
+            lines = s.take()
+            if lines:
+                taken.append((s, lines))
+            else:
+                s._writing.release()
+        if not taken:
+            return
+        conn, now = taken[0][0].conn, time.monotonic()
+        renew = {s for s, _ in taken if now - s.renewed_at > s.ttl_s / 2}
 
-                self._wake.wait_for(ready, timeout=max(0.0, due - time.monotonic()))
-                if self._closed:
-                    return
-            written_at = time.monotonic()
-            with self._writing:
-                try:
-                    self._write(self._outage_s)
-                except Exception as e:  # Redis away for good: the job's next send raises it
-                    self._failed = e
-                    return
+        def write() -> list[Any]:
+            pipe = conn.pipeline(transaction=True)  # all or nothing; a retry of one Redis ran repeats entries, dropped by readers (`Once`)
+            for s, lines in taken:
+                for n, e in lines:
+                    pipe.xadd(s.key, entry(e, s.writer, n), maxlen=STREAM_MAXLEN, approximate=True)
+                if s in renew:
+                    pipe.expire(s.key, s.ttl_s)
+                pipe.exists(s.cancel)
+            return pipe.execute()
+
+        try:
+            outage_s = max(s.outage_s for s, _ in taken)
+            done = ride_out(write, outage_s, what="job_stream", cap_s=STREAM_BACKOFF_CAP_S, give_up=STOPPING.is_set)
+        except Exception as e:  # Redis away for good: each job's next send raises it
+            for s, lines in taken:
+                s.put_back(lines, e)
+        else:
+            self.writes += 1
+            at = 0
+            for s, lines in taken:
+                at += len(lines) + (s in renew) + 1
+                s.saw_cancel(bool(done[at - 1]))
+                if s in renew:
+                    s.renewed_at = now
+        finally:
+            now = time.monotonic()
+            for s, _ in taken:
+                s.written_at = now
+                s._writing.release()
 
 
 def run_job(spec: dict) -> dict:

@@ -15,6 +15,7 @@ import redis.asyncio
 from starlette.requests import Request
 
 from gateway.relay import RelayContext, relay
+from gateway.streams import StreamReader
 from tests.helpers import poll
 from worker.client import events
 from worker.jobs import JobStream
@@ -72,9 +73,11 @@ def test_the_relay_gives_the_client_each_position_once_from_the_attempt_that_fin
         return None
 
     async def run() -> list[str]:
+        aredis = redis.asyncio.Redis.from_url(redis_url)
         ctx = RelayContext(
             request=Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive),
-            aredis=redis.asyncio.Redis.from_url(redis_url),
+            aredis=aredis,
+            reader=StreamReader(aredis),
             job_id=JOB,
             queue="kvpool",
             t0=time.perf_counter(),
@@ -84,6 +87,9 @@ def test_the_relay_gives_the_client_each_position_once_from_the_attempt_that_fin
             resubmit=nothing,
             job_seconds=lambda s: None,
         )
-        return [ev.text async for ev in relay(ctx) if isinstance(ev, TokenEvent)]
+        try:
+            return [ev.text async for ev in relay(ctx) if isinstance(ev, TokenEvent)]
+        finally:
+            await ctx.reader.close()
 
     assert asyncio.run(run()) == ["a1", "a2", "a3", "a4", "a5", "b6", "b7"]
