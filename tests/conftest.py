@@ -22,7 +22,7 @@ from store.backends.s3 import S3Backend
 from store.index import RedisIndex
 from store.settings import StoreSettings
 from store.store import Store
-from tests.helpers import POOL_CHUNK, env_for_pool, s3_settings
+from tests.helpers import POOL_CHUNK, THREADS, env_for_pool, s3_settings
 
 RUN_FOLDER = Path(
     os.environ.get("KVPOOL_TEST_RESULTS")
@@ -148,7 +148,7 @@ def start_worker(pool_env: dict[str, str], redis_url: str, tmp_path: Path) -> It
 @pytest.fixture(scope="session")
 def cold_llm(tiny_model: Path) -> llama_cpp.Llama:
     """The tiny model in this process, with the workers' KV layout, for cold reference runs."""
-    return llama_cpp.Llama(str(tiny_model), n_ctx=2048, n_threads=1, verbose=False, flash_attn=True)
+    return llama_cpp.Llama(str(tiny_model), n_ctx=2048, n_threads=1, n_threads_batch=THREADS, verbose=False, flash_attn=True)
 
 
 def _record_start(process: procs.Process, waited_s: float) -> None:

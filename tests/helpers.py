@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -64,6 +65,11 @@ def s3_client(s: StoreSettings) -> Any:
 
 
 POOL_CHUNK = 32
+
+THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
+"""llama.cpp threads of a model a test runs itself (in this process, or one worker it names): the cores shared out among
+the suite's test processes (`tests/run.py`). llama.cpp's threads spin while they wait for each other, so threads that
+outnumber the cores run far slower than their share; the bits are the same for any count (`worker.kernels`)."""
 
 
 def env_for_pool(redis_url: str, s: StoreSettings, model: Path, chunk_size: int) -> dict[str, str]:

@@ -50,7 +50,7 @@ from gateway.tenants import Tenants
 from store.blob import BlobName
 from store.index import RedisIndex
 from store.maintenance import UNKNOWN_KERNELS, bytes_by_kernels
-from tests.helpers import cold_generate, env_for_pool, s3_client, s3_settings
+from tests.helpers import THREADS, cold_generate, env_for_pool, s3_client, s3_settings
 from worker.context import flash_attn_for
 
 CLIENTS = 4
@@ -126,7 +126,9 @@ def _references(model: Path, settings: GatewaySettings, bodies: list[dict]) -> l
     """Each prompt's answer from a cold evaluation in this process, tokenized as the gateway does."""
     preparer = Preparer(settings, model)
     tenant = Tenants({}, settings.tenant_secret).resolve(None)
-    llm = llama_cpp.Llama(str(model), n_ctx=2048, n_threads=2, verbose=False, flash_attn=flash_attn_for(model, None))
+    llm = llama_cpp.Llama(
+        str(model), n_ctx=2048, n_threads=THREADS, n_threads_batch=THREADS, verbose=False, flash_attn=flash_attn_for(model, None)
+    )
     out = []
     for body in bodies:
         tokens = preparer.chat(ChatCompletionRequest.model_validate(body), tenant).spec.tokens

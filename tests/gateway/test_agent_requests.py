@@ -26,7 +26,7 @@ from anthropic.types.beta.message_create_params import MessageCreateParams
 from openai.types.responses.response_create_params import ResponseCreateParams
 from pydantic import TypeAdapter
 
-from tests.helpers import SMOL, Pool, private_pool, running_pool
+from tests.helpers import SMOL, THREADS, Pool, private_pool, running_pool
 from worker.models.synth import make_model
 
 pytestmark = pytest.mark.timeout(600)
@@ -54,7 +54,7 @@ def replay_pool(redis_server, s3_server, smollm2: Path, tmp_path_factory: pytest
         tmp_path_factory.mktemp("agents"),
         ["replay-1"],
         KVPOOL_N_CTX="32768",
-        KVPOOL_N_THREADS="2",  # both cores: the suite runs one test at a time, and these prompts are its longest
+        KVPOOL_N_THREADS=str(THREADS),  # every core this test process has: these prompts are the suite's longest
     ) as pool:
         yield pool
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gateway.tokenizer import Tokenizer
-from tests.helpers import SMOL, openai_client, prompt_text
+from tests.helpers import SMOL, THREADS, openai_client, prompt_text
 from worker.context import flash_attn_for
 
 CONTEXT = "Question: What is the capital of France?\nAnswer:"
@@ -19,7 +19,9 @@ CONTINUATIONS = [" Paris", " London", " a big cheese"]
 
 def reference_logprobs(model: Path, tokens: list[int]) -> list[float]:
     """Each token's logprob under the ones before it, from a plain llama.cpp evaluation with every position's logits."""
-    llm = llama_cpp.Llama(str(model), n_ctx=2048, n_threads=1, verbose=False, logits_all=True, flash_attn=flash_attn_for(model, None))
+    llm = llama_cpp.Llama(
+        str(model), n_ctx=2048, n_threads=1, n_threads_batch=THREADS, verbose=False, logits_all=True, flash_attn=flash_attn_for(model, None)
+    )
     llm.eval(tokens)
     scores = np.asarray(llm.scores[: len(tokens)], dtype=np.float64)
     m = scores.max(axis=1, keepdims=True)

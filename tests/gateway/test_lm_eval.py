@@ -15,7 +15,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from tests.helpers import SMOL, Tenancy, counter, openai_client
+from tests.helpers import SMOL, THREADS, Tenancy, counter, openai_client
 from worker.context import flash_attn_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,7 +86,13 @@ def test_lm_eval_accuracy_equals_in_process_scoring(smol_pool, smollm2, monkeypa
 
     docs = json.loads((TASK_DIR / "kvpool_mc.json").read_text())
     llm = llama_cpp.Llama(
-        str(smollm2), n_ctx=512, n_threads=1, verbose=False, logits_all=True, flash_attn=flash_attn_for(smollm2, None)
+        str(smollm2),
+        n_ctx=512,
+        n_threads=1,
+        n_threads_batch=THREADS,
+        verbose=False,
+        logits_all=True,
+        flash_attn=flash_attn_for(smollm2, None),
     )  # 2 threads crawl on a busy machine
     expected = []
     by_doc = {s["doc_id"]: s for s in out["samples"]["kvpool_mc"]}

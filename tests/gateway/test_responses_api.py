@@ -20,7 +20,7 @@ import pytest
 from gateway.tokenizer import Tokenizer
 from tests.gateway.responses_pool import Pool, responses_pool
 from tests.gateway.test_sampling_api import cold_text
-from tests.helpers import SMOL, TOOLS_TEMPLATE, prompt_text, wait_settled
+from tests.helpers import SMOL, THREADS, TOOLS_TEMPLATE, prompt_text, wait_settled
 
 BRIEF = "Answer in one short sentence."
 WEATHER = {
@@ -41,7 +41,7 @@ def pool(redis_server, s3_server, smollm2, tmp_path_factory) -> Iterator[Pool]:
 @pytest.fixture(scope="module")
 def smol_llm(smollm2: Path) -> llama_cpp.Llama:
     """SmolLM2 in this process, with the workers' KV layout, for cold reference runs."""
-    return llama_cpp.Llama(str(smollm2), n_ctx=2048, n_threads=1, verbose=False, flash_attn=True)
+    return llama_cpp.Llama(str(smollm2), n_ctx=2048, n_threads=1, n_threads_batch=THREADS, verbose=False, flash_attn=True)
 
 
 @pytest.fixture(scope="module")

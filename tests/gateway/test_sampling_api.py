@@ -10,7 +10,7 @@ import pytest
 
 from gateway.tokenizer import Tokenizer
 from tests.gateway.test_errors import assert_openai_error
-from tests.helpers import SMOL, cold_generate, openai_client
+from tests.helpers import SMOL, THREADS, cold_generate, openai_client
 
 PROMPT = "Here is a list of fruits: apple, banana, cherry, apple, banana, cherry, apple, banana,"
 
@@ -18,7 +18,7 @@ PROMPT = "Here is a list of fruits: apple, banana, cherry, apple, banana, cherry
 @pytest.fixture(scope="module")
 def smol_llm(smollm2: Path) -> llama_cpp.Llama:
     """SmolLM2 in this process, with the workers' KV layout, for cold reference runs."""
-    return llama_cpp.Llama(str(smollm2), n_ctx=2048, n_threads=1, verbose=False, flash_attn=True)
+    return llama_cpp.Llama(str(smollm2), n_ctx=2048, n_threads=1, n_threads_batch=THREADS, verbose=False, flash_attn=True)
 
 
 def cold_text(llm: llama_cpp.Llama, tokens: list[int], n: int, **sampling: float) -> str:

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from rq.timeouts import JobTimeoutException, TimerDeathPenalty, UnixSignalDeathPenalty
 
-from tests.helpers import cold_greedy, prompt_text
+from tests.helpers import THREADS, cold_greedy, prompt_text
 from worker.context import open_llama
 from worker.engine import Engine
 from worker.errors import JobAborted
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.fp_path
 
 @pytest.fixture(scope="module")
 def engines(smollm2: Path) -> Iterator[list[Engine]]:
-    settings = WorkerSettings(chunk_size=CHUNK, n_ctx=N_CTX, n_threads=2, parallel=2)
+    settings = WorkerSettings(chunk_size=CHUNK, n_ctx=N_CTX, n_threads=THREADS, n_threads_batch=THREADS, parallel=2)
     engine = Engine.open(settings, smollm2, store=None, name="a.0")
     yield [engine, engine.for_sequence(1, "a.1")]
     engine.close()
@@ -51,7 +51,7 @@ def engines(smollm2: Path) -> Iterator[list[Engine]]:
 
 @pytest.fixture(scope="module")
 def cold(smollm2: Path) -> llama_cpp.Llama:
-    return open_llama(smollm2, flash_attn=True, n_ctx=N_CTX, n_threads=2)
+    return open_llama(smollm2, flash_attn=True, n_ctx=N_CTX, n_threads=THREADS, n_threads_batch=THREADS)
 
 
 def prompt(cold: llama_cpp.Llama, seed: int, tokens: int) -> list[int]:

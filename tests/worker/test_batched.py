@@ -28,7 +28,7 @@ import pytest
 from gateway.pool.procs import RedisServer
 from gateway.pool.s3server import S3Server
 from store.store import Store
-from tests.helpers import PoolClient, cold_generate, cold_greedy, prompt_text, s3_settings
+from tests.helpers import THREADS, PoolClient, cold_generate, cold_greedy, prompt_text, s3_settings
 from worker.client import events
 from worker.context import open_llama
 from worker.decoding import DecodeMode
@@ -104,7 +104,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, smoll
     """Four sequences of one context, with a store (S3 over HTTP, a Redis of the module's own)."""
     with RedisServer(tmp_path_factory.mktemp("redis-batched")) as server:
         base = s3_settings(s3_server.endpoint_url, f"kvpool-batched-{uuid.uuid4().hex[:8]}", server.url)
-        settings = WorkerSettings(**{**base.model_dump(), "chunk_size": CHUNK, "n_ctx": 1024, "n_threads": 2, "parallel": P})
+        settings = WorkerSettings(**{**base.model_dump(), "chunk_size": CHUNK, "n_ctx": 1024, "n_threads": THREADS, "parallel": P})
         engine = Engine.open(settings, smollm2, store=Store.open(settings), name="b.0")
         yield [engine, *(engine.for_sequence(i, f"b.{i}") for i in range(1, P))]
         engine.close()
@@ -113,7 +113,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, smoll
 @pytest.fixture(scope="module")
 def cold(smollm2: Path) -> llama_cpp.Llama:
     """A context of its own: the reference every batched answer is compared with."""
-    return open_llama(smollm2, flash_attn=True, n_ctx=1024, n_threads=2)
+    return open_llama(smollm2, flash_attn=True, n_ctx=1024, n_threads=THREADS, n_threads_batch=THREADS)
 
 
 def cold_answer(cold: llama_cpp.Llama, tokens: list[int], n: int = N) -> tuple[np.ndarray, list[int]]:

@@ -24,7 +24,7 @@ from gateway.pool.procs import free_port
 from store.chain import Namespace
 from store.checkpoints import checkpoint_key, checkpoint_name
 from store.index import RedisIndex
-from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, poll, prompt_text, s3_client
+from tests.helpers import POOL_CHUNK, THREADS, PoolClient, cold_greedy, poll, prompt_text, s3_client
 from worker.checkpoints import STOPS_PER_DOUBLING, WINDOW_ALIGN, aligned, checkpoint_stops, spaced
 from worker.context import flash_attn_for
 from worker.namespace import namespace_for
@@ -57,7 +57,9 @@ def lcp(a: list[int], b: list[int]) -> int:
 def cold(uncuttable_models: dict[str, Path], request: pytest.FixtureRequest) -> llama_cpp.Llama:
     size = request.node.callspec.params["size"]
     path = uncuttable_models[size]  # the workers' layout: flash attention as they resolve it for the model
-    return llama_cpp.Llama(str(path), n_ctx=2048, n_threads=1, verbose=False, flash_attn=flash_attn_for(path, None))
+    return llama_cpp.Llama(
+        str(path), n_ctx=2048, n_threads=1, n_threads_batch=THREADS, verbose=False, flash_attn=flash_attn_for(path, None)
+    )
 
 
 @KINDS
@@ -138,7 +140,9 @@ def test_a_sliding_window_worker_never_cuts_back_past_the_window_a_restore_left(
     start_worker("w1", KVPOOL_MODEL=str(model))
     start_worker("w2", KVPOOL_MODEL=str(model))
     client = PoolClient(redis.Redis.from_url(redis_url), model)
-    cold = llama_cpp.Llama(str(model), n_ctx=2048, n_threads=1, verbose=False, flash_attn=flash_attn_for(model, None))
+    cold = llama_cpp.Llama(
+        str(model), n_ctx=2048, n_threads=1, n_threads_batch=THREADS, verbose=False, flash_attn=flash_attn_for(model, None)
+    )
     long_prompt = client.tokens(prompt_text(13, 200))
     client.run(long_prompt, worker="w1")
     wait_checkpoints(client, long_prompt, checkpoint_stops(0, len(long_prompt), C, 1, 32))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gateway.tokenizer import Tokenizer
-from tests.helpers import prompt_text
+from tests.helpers import THREADS, prompt_text
 from worker.engine import Engine
 from worker.llama_state import last_logits
 from worker.protocol import JobResult, SamplingParams, TokenEvent, job_spec
@@ -27,7 +27,7 @@ CHUNK = 64
 
 @pytest.fixture(scope="module")
 def engines(smollm2: Path) -> Iterator[dict[str, Engine]]:
-    settings = WorkerSettings(chunk_size=CHUNK, n_ctx=2048, n_threads=2, publish=False, self_check=False, settle_completions=False)
+    settings = WorkerSettings(chunk_size=CHUNK, n_ctx=2048, n_threads=THREADS, publish=False, self_check=False, settle_completions=False)
     made = {name: Engine.open(settings, smollm2, store=None, name=name) for name in ("many", "cold")}
     yield made
     for e in made.values():

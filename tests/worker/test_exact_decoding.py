@@ -21,7 +21,7 @@ import pytest
 
 from store import chain
 from store.chain import prefix_chain
-from tests.helpers import prompt_text
+from tests.helpers import THREADS, prompt_text
 from worker.context import open_llama
 from worker.decoding import DecodeMode, choose_mode, decoded_logits
 from worker.engine import Engine
@@ -38,7 +38,7 @@ CHUNK = 64
 @pytest.fixture(scope="module", params=[True, False], ids=["flash", "no-flash"])
 def llm(smollm2: Path, request: pytest.FixtureRequest) -> Iterator[llama_cpp.Llama]:
     """SmolLM2 with flash attention (the workers' default; exact at any batch size on kvpool's build) and without."""
-    made = open_llama(smollm2, flash_attn=request.param, n_ctx=1024, n_threads=2, n_threads_batch=2)
+    made = open_llama(smollm2, flash_attn=request.param, n_ctx=1024, n_threads=THREADS, n_threads_batch=THREADS)
     yield made
     made.close()
 
@@ -80,7 +80,7 @@ def test_a_rows_logits_are_the_same_bits_whether_one_row_or_many_are_computed(ll
 @pytest.fixture(scope="module")
 def gemma3_llm(gemma3: Path) -> Iterator[llama_cpp.Llama]:
     # flash attention off, as workers open a sliding-window model (`worker.context.flash_attn_for`)
-    made = open_llama(gemma3, flash_attn=False, n_ctx=1024, n_threads=2, n_threads_batch=2)
+    made = open_llama(gemma3, flash_attn=False, n_ctx=1024, n_threads=THREADS, n_threads_batch=THREADS)
     yield made
     made.close()
 
@@ -129,7 +129,7 @@ def test_the_start_up_check_refuses_what_a_wider_sweep_shows_inexact(gemma3_llm:
 
 @pytest.fixture(scope="module")
 def engines(smollm2: Path) -> Iterator[dict[str, Engine]]:
-    base = {"chunk_size": CHUNK, "n_ctx": 2048, "n_threads": 2, "publish": False, "self_check": False, "settle_idle_s": 0.01}
+    base = {"chunk_size": CHUNK, "n_ctx": 2048, "n_threads": THREADS, "publish": False, "self_check": False, "settle_idle_s": 0.01}
     made = {
         "exact": Engine.open(WorkerSettings(**base), smollm2, store=None, name="exact"),
         "settling": Engine.open(WorkerSettings(**base, exact_decode="off"), smollm2, store=None, name="settling"),

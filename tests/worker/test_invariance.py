@@ -24,7 +24,7 @@ import pytest
 from gateway.pool.s3server import S3Server
 from store.chain import tail_key
 from store.store import Store
-from tests.helpers import s3_settings
+from tests.helpers import THREADS, s3_settings
 from worker.engine import Engine
 from worker.llama_state import batch_sizes, last_logits
 from worker.protocol import SamplingParams, TokenEvent, job_spec
@@ -77,7 +77,7 @@ class Runner:
 
 def _settings(redis_url: str, s3: S3Server, bucket: str, **kw: object) -> WorkerSettings:
     base = s3_settings(s3.endpoint_url, bucket, redis_url)
-    fields = {**base.model_dump(), "chunk_size": CHUNK, "n_ctx": 2048, "n_batch": 512, "n_threads": 2, "settle_idle_s": 0.01, **kw}
+    fields = {**base.model_dump(), "chunk_size": CHUNK, "n_ctx": 2048, "n_batch": 512, "n_threads": THREADS, "settle_idle_s": 0.01, **kw}
     return WorkerSettings(**fields)
 
 

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import THREADS
 from worker.kvchunks import cut_cells, cut_state, describe_payload, join_state
 from worker.kvstate import (
     GGML_TYPE_F16,
@@ -311,7 +312,7 @@ def native_blobs(tiny_model: Path) -> dict[tuple[str, bool], dict[int, bytes]]:
 
     blobs: dict[tuple[str, bool], dict[int, bytes]] = {}
     for cache, fa in [("f16", False), ("f16", True), ("q8_0", True)]:
-        llm = open_llama(tiny_model, flash_attn=fa, type_k=cache, n_threads=2)
+        llm = open_llama(tiny_model, flash_attn=fa, type_k=cache, n_threads=THREADS, n_threads_batch=THREADS)
         blobs[cache, fa] = {}
         for n in (64, 96, 200):
             llm.reset()

@@ -23,6 +23,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
+from tests.helpers import THREADS
 from worker.context import open_llama
 from worker.kvcache import cache_type_id, context_cache
 from worker.kvchunks import cut_state, join_state
@@ -84,7 +85,7 @@ class Models:
         self._open: list[llama_cpp.Llama] = []
 
     def fresh(self, cache: str, fa: bool, **kwargs: object) -> llama_cpp.Llama:
-        llm = open_llama(self.path, flash_attn=fa, type_k=cache, n_threads=2, **kwargs)
+        llm = open_llama(self.path, flash_attn=fa, type_k=cache, n_threads=THREADS, n_threads_batch=THREADS, **kwargs)
         self._open.append(llm)
         return llm
 
@@ -321,7 +322,7 @@ def test_attention_rotation_changes_a_quantized_cache(tiny_model: Path, monkeypa
     states, rot = [], []
     for disable in ("0", "1"):
         monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", disable)
-        llm = open_llama(tiny_model, flash_attn=True, type_k="q8_0", n_threads=2)
+        llm = open_llama(tiny_model, flash_attn=True, type_k="q8_0", n_threads=THREADS, n_threads_batch=THREADS)
         llm.eval(PROMPT[:32])
         states.append(read_seq_state(llm))
         rot.append(context_cache(llm).attn_rot_k)

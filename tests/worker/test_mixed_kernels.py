@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.pool.procs import free_port
 from store.store import Store
-from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, prompt_text, wait_settled
+from tests.helpers import POOL_CHUNK, THREADS, PoolClient, cold_greedy, prompt_text, wait_settled
 from worker.advert import adverts
 from worker.context import flash_attn_for
 
@@ -65,7 +65,7 @@ def test_workers_of_other_kernels_never_restore_each_others_chunks(start_worker,
     prompt = q4k_client.tokens(prompt_text(70, 12 * POOL_CHUNK))
     plain = fresh(q4k_client, "plain", prompt)
     cold = llama_cpp.Llama(
-        str(q4k_model), n_ctx=2048, n_threads=1, verbose=False, flash_attn=flash_attn_for(q4k_model, None)
+        str(q4k_model), n_ctx=2048, n_threads=1, n_threads_batch=THREADS, verbose=False, flash_attn=flash_attn_for(q4k_model, None)
     )  # this process runs the default kernels
     assert plain.tokens == cold_greedy(cold, prompt, 24)
     wait_settled(redis_url)

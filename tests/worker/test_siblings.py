@@ -26,7 +26,7 @@ import pytest
 from gateway.pool.procs import RedisServer
 from gateway.pool.s3server import S3Server
 from store.store import Store
-from tests.helpers import cold_greedy, poll, prompt_text, s3_settings
+from tests.helpers import THREADS, cold_greedy, poll, prompt_text, s3_settings
 from worker import metrics, siblings
 from worker.context import open_llama
 from worker.engine import Engine
@@ -45,7 +45,7 @@ pytestmark = pytest.mark.fp_path
 def engines(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, smollm2: Path) -> Iterator[list[Engine]]:
     with RedisServer(tmp_path_factory.mktemp("redis-siblings")) as server:
         base = s3_settings(s3_server.endpoint_url, f"kvpool-siblings-{uuid.uuid4().hex[:8]}", server.url)
-        settings = WorkerSettings(**{**base.model_dump(), "chunk_size": CHUNK, "n_ctx": 2048, "n_threads": 2, "parallel": 2})
+        settings = WorkerSettings(**{**base.model_dump(), "chunk_size": CHUNK, "n_ctx": 2048, "n_threads": THREADS, "parallel": 2})
         engine = Engine.open(settings, smollm2, store=Store.open(settings), name="s.0")
         yield [engine, engine.for_sequence(1, "s.1")]
         engine.close()
@@ -53,7 +53,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, smoll
 
 @pytest.fixture(scope="module")
 def cold(smollm2: Path) -> llama_cpp.Llama:
-    return open_llama(smollm2, flash_attn=True, n_ctx=2048, n_threads=2)
+    return open_llama(smollm2, flash_attn=True, n_ctx=2048, n_threads=THREADS, n_threads_batch=THREADS)
 
 
 def ask(
