@@ -36,9 +36,13 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+DOCS_TOOLS = ("gateway.pool.docs", "gateway.pool.commands")
+"""`kvpool docs`: it draws the README's chart from the benchmarks' reports (matplotlib), a developer's tool like the bench."""
+
+
 def extra_of(module: str) -> str | None:
     """The extra a module's own imports may come from; None for a module of the runtime."""
-    if module == "gateway.pool.bench" or module.startswith("gateway.pool.bench."):
+    if module == "gateway.pool.bench" or module.startswith("gateway.pool.bench.") or module in DOCS_TOOLS:
         return "bench"
     if module == "gateway.pool" or module.startswith("gateway.pool."):
         return "pool"
