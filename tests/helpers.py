@@ -34,7 +34,7 @@ from store.store import Store
 from worker.advert import adverts
 from worker.client import events, submit
 from worker.decoding import DecodeMode, choose_mode, decode_step
-from worker.llama_state import evaluate_prompt
+from worker.llama_state import evaluate_prompt, last_logits
 from worker.protocol import DoneEvent, ErrorEvent, JobResult, JobSpec, SamplingParams, StartEvent, TokenEvent, job_spec, worker_queue
 from worker.settings import WorkerSettings
 
@@ -96,15 +96,27 @@ def cold_greedy(llm: llama_cpp.Llama, tokens: list[int], n: int) -> list[int]:
     return cold_generate(llm, tokens, n, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0)
 
 
-def cold_generate(llm: llama_cpp.Llama, tokens: list[int], n: int, **sampling: float) -> list[int]:
+def cold_answer(llm: llama_cpp.Llama, tokens: list[int], n: int = 8) -> tuple[np.ndarray, list[int]]:
+    """The first token's logits and the greedy answer of a cold evaluation of ``tokens``, the prompt evaluated once."""
+    first: list[np.ndarray] = []
+    answer = cold_generate(llm, tokens, n, prompt_logits=first, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0)
+    return first[0], answer
+
+
+def cold_generate(
+    llm: llama_cpp.Llama, tokens: list[int], n: int, *, prompt_logits: list[np.ndarray] | None = None, **sampling: float
+) -> list[int]:
     """What a worker answers: the prompt evaluated from scratch in the worker's batches, then each token sampled by
     llama-cpp-python's sampler chain (``sampling`` as `Llama.generate` takes it) and decoded so that its cells are a
-    cold evaluation's, as the worker does (`worker.decoding`); stops at end-of-generation or ``n`` tokens."""
+    cold evaluation's, as the worker does (`worker.decoding`); stops at end-of-generation or ``n`` tokens.
+    ``prompt_logits`` gets a copy of the logits the prompt's evaluation gave (the first token's)."""
     mode: DecodeMode | None = getattr(llm, "kvpool_decode_mode", None)
     if mode is None:  # checked once per model object (an id could be reused by another model once this one is freed)
         mode = llm.kvpool_decode_mode = choose_mode(llm, "auto")[0]
     llm.reset()
     evaluate_prompt(llm, tokens, 0)  # so the last batch never holds a lone token
+    if prompt_logits is not None:
+        prompt_logits.append(last_logits(llm).copy())
     llm._sampler = llm._init_sampler(**sampling)
     out: list[int] = []
     while len(out) < n:

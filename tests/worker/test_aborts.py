@@ -26,11 +26,11 @@ import numpy as np
 import pytest
 from rq.timeouts import JobTimeoutException, TimerDeathPenalty, UnixSignalDeathPenalty
 
-from tests.helpers import THREADS, cold_greedy, prompt_text
+from tests.helpers import THREADS, cold_answer, prompt_text
 from worker.context import open_llama
 from worker.engine import Engine
 from worker.errors import JobAborted
-from worker.llama_state import evaluate_prompt, last_logits
+from worker.llama_state import last_logits
 from worker.protocol import JobResult, SamplingParams, TokenEvent, job_spec
 from worker.rounds import CallKind
 from worker.settings import WorkerSettings
@@ -72,12 +72,6 @@ def run(engine: Engine, tokens: list[int], n: int = 8) -> tuple[np.ndarray, JobR
     spec = job_spec(tokens, model=engine.fingerprint, chunk_size=CHUNK, sampling=SamplingParams(max_tokens=n, temperature=0.0, top_k=1))
     result = engine.run(spec, emit)
     return seen[0], result
-
-
-def cold_answer(cold: llama_cpp.Llama, tokens: list[int], n: int = 8) -> tuple[np.ndarray, list[int]]:
-    cold.reset()
-    evaluate_prompt(cold, tokens, 0)
-    return last_logits(cold), cold_greedy(cold, tokens, n)
 
 
 def prompt_tokens_decoded(engine: Engine) -> int:

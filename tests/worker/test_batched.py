@@ -28,7 +28,7 @@ import pytest
 from gateway.pool.procs import RedisServer
 from gateway.pool.s3server import S3Server
 from store.store import Store
-from tests.helpers import THREADS, PoolClient, cold_generate, cold_greedy, prompt_text, s3_settings
+from tests.helpers import THREADS, PoolClient, cold_answer, cold_generate, cold_greedy, prompt_text, s3_settings
 from worker.client import events
 from worker.context import open_llama
 from worker.decoding import DecodeMode
@@ -116,13 +116,6 @@ def cold(smollm2: Path) -> llama_cpp.Llama:
     return open_llama(smollm2, flash_attn=True, n_ctx=1024, n_threads=THREADS, n_threads_batch=THREADS)
 
 
-def cold_answer(cold: llama_cpp.Llama, tokens: list[int], n: int = N) -> tuple[np.ndarray, list[int]]:
-    cold.reset()
-    evaluate_prompt(cold, tokens, 0)
-    logits = last_logits(cold)
-    return logits, cold_greedy(cold, tokens, n)
-
-
 def prompts(seed: int, count: int, cold: llama_cpp.Llama) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [cold.tokenize(prompt_text(seed * 100 + i, int(rng.integers(20, 200))).encode()) for i in range(count)]
@@ -139,7 +132,7 @@ def test_answers_are_the_same_bits_at_concurrency_one_and_four(engines: list[Eng
     four = together([lambda t=t, e=e: ask(e, t) for t, e in zip(texts[:4], engines, strict=True)])
     four += together([lambda t=t, e=e: ask(e, t) for t, e in zip(texts[4:], engines, strict=True)])
     for t, a, b in zip(texts, alone, four, strict=True):
-        ref_logits, ref_tokens = cold_answer(cold, t)
+        ref_logits, ref_tokens = cold_answer(cold, t, N)
         assert np.array_equal(a.logits, ref_logits) and np.array_equal(b.logits, ref_logits)
         assert a.tokens == b.tokens == ref_tokens
 
@@ -199,7 +192,7 @@ def test_steps_of_sequences_apart_share_one_pass_with_a_filler_and_keep_every_se
     follow = [*idle, *first.tokens, *cold.tokenize(b" Say more.", add_bos=False)]
     again = ask(engines[1], follow)  # the fillers' cells are gone: sequence 1 resumes from all it held, to the bit
     assert again.cached_context >= first.held
-    ref_logits, ref_tokens = cold_answer(cold, follow)
+    ref_logits, ref_tokens = cold_answer(cold, follow, N)
     assert np.array_equal(again.logits, ref_logits) and again.tokens == ref_tokens
 
 
@@ -215,7 +208,7 @@ def test_a_restore_into_one_sequence_while_three_decode(engines: list[Engine], c
     answers = together(calls)
     restored = answers[3]
     assert restored.cached_store >= len(shared) // CHUNK * CHUNK
-    ref_logits, ref_tokens = cold_answer(cold, [*shared, *cold.tokenize(b" And then?", add_bos=False)])
+    ref_logits, ref_tokens = cold_answer(cold, [*shared, *cold.tokenize(b" And then?", add_bos=False)], N)
     assert np.array_equal(restored.logits, ref_logits) and restored.tokens == ref_tokens
     for t, a in zip(texts, answers[:3], strict=True):
         ref_logits, ref_tokens = cold_answer(cold, t, 40)
@@ -248,7 +241,7 @@ def test_two_sequences_sent_the_same_prompt_at_once_evaluate_it_once(engines: li
     full = len(prompt) // CHUNK * CHUNK
     assert sorted([a.cached_context, b.cached_context])[1] >= full, "both sequences evaluated the prompt"
     assert a.cached_store == b.cached_store == 0, "the one that waited went to the store for what its sibling holds"
-    ref_logits, ref_tokens = cold_answer(cold, prompt)
+    ref_logits, ref_tokens = cold_answer(cold, prompt, N)
     for x in (a, b):
         assert np.array_equal(x.logits, ref_logits) and x.tokens == ref_tokens
 

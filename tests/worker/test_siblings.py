@@ -26,12 +26,12 @@ import pytest
 from gateway.pool.procs import RedisServer
 from gateway.pool.s3server import S3Server
 from store.store import Store
-from tests.helpers import THREADS, cold_greedy, poll, prompt_text, s3_settings
+from tests.helpers import THREADS, cold_answer, poll, prompt_text, s3_settings
 from worker import metrics, siblings
 from worker.context import open_llama
 from worker.engine import Engine
 from worker.kvstate import describe_state
-from worker.llama_state import evaluate_prompt, last_logits, read_ctx_state, write_ctx_state
+from worker.llama_state import last_logits, read_ctx_state, write_ctx_state
 from worker.protocol import JobResult, SamplingParams, TokenEvent, job_spec
 from worker.sequence import SeqView, restream, single_stream
 from worker.settings import WorkerSettings
@@ -78,12 +78,6 @@ def ask(
     result = engine.run(spec, emit)
     engine.after_answer()
     return seen[0], result
-
-
-def cold_answer(cold: llama_cpp.Llama, tokens: list[int], n: int = 8) -> tuple[np.ndarray, list[int]]:
-    cold.reset()
-    evaluate_prompt(cold, tokens, 0)
-    return last_logits(cold), cold_greedy(cold, tokens, n)
 
 
 def copied(engine: Engine) -> float:
