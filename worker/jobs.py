@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -197,12 +198,14 @@ class Emitter:
 
     @classmethod
     def shared(cls) -> Emitter:
+        """The process's emitter (a forked child gets one of its own: its parent's thread is not in it)."""
         with cls._lock:
-            if cls._shared is None:
+            if cls._shared is None or cls._shared.pid != os.getpid():
                 cls._shared = Emitter()
             return cls._shared
 
     def __init__(self) -> None:
+        self.pid = os.getpid()
         self._cv = threading.Condition()
         self._dirty: set[JobStream] = set()
         self.writes = 0
