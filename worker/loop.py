@@ -287,7 +287,7 @@ class EngineLoop:
         self._cv.notify_all()
 
     def _call_or_split(self, call: list[Piece], kind: CallKind) -> None:
-        """`_call`; where it fails, the call's pieces again in two halves, down to one: only the request at fault fails.
+        """`_call`; where llama.cpp refuses it, the call's pieces again in two halves, down to one: only the request at fault fails.
 
         llama.cpp refuses a whole batch for one sequence's fault (positions that do not follow
         its cells, no room left in its stream), and its other sequences did nothing wrong:
@@ -297,13 +297,15 @@ class EngineLoop:
         """
         try:
             rc = self._call(call, kind)
-        except Exception as e:  # never leave a job waiting on a call that failed
+        except Exception as e:  # never leave a job waiting on a call that failed (one that got its logits keeps them)
             log.exception("loop.call_failed")
-            rc, error = -1, e
-        else:
-            if rc == 0:
-                return
-            error = RuntimeError(f"llama_decode returned {rc}")
+            for req, _n in call:
+                if not req.finished.is_set():
+                    req.error = e
+                    req.finished.set()
+            return
+        if rc == 0:
+            return
         mem = llama_cpp.llama_get_memory(self.llm.ctx)
         for req, _n in call:
             llama_cpp.llama_memory_seq_rm(mem, req.seq, req.pos + req.done, -1)  # back to before the call
@@ -315,7 +317,7 @@ class EngineLoop:
             return
         req = call[0][0]
         log.error("loop.request_failed", extra={"seq": req.seq, "pos": req.pos + req.done, "tokens": call[0][1], "rc": rc})
-        req.error = error
+        req.error = RuntimeError(f"llama_decode returned {rc}")
         req.finished.set()
 
     def _call(self, call: list[Piece], kind: CallKind) -> int:
