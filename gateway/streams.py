@@ -1,6 +1,6 @@
 """One reader of job streams per gateway process: a single blocking XREAD over every stream a request relays.
 
-Each request used to read its own job's stream (`worker.client.aevents`): at four streaming
+Each request used to read its own job's stream: at four streaming
 clients, four blocking reads woke the gateway and Redis for every batch a worker wrote.
 `StreamReader` keeps one read in flight for all of them, as vLLM's front end takes one
 message per engine step for every request: ``XREAD BLOCK`` over every subscribed stream,
@@ -9,7 +9,7 @@ subscribers whose streams they came from. A request that subscribes while the re
 blocked cancels that read (redis-py drops its connection), so the next read includes its
 stream at once; nothing is lost, since a stream is read again from the last entry given.
 
-`StreamReader.events` gives a subscriber what `aevents` gave: its job's events (each once,
+`StreamReader.events` gives a subscriber its job's events (each once,
 only the latest attempt's: `worker.client.take_event`), ``None`` after every ``block_ms``
 in which nothing came (the relay's checks run then), and ``None`` while Redis is away,
 reading resuming where it stopped once Redis is back. Token events, the bulk of a stream,

@@ -6,10 +6,9 @@ lengths, a job's status and its return value, and never imports ``rq`` itself.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import redis
@@ -19,7 +18,6 @@ from rq import Queue, Retry
 from rq.job import Job, JobStatus
 
 from worker.protocol import DoneEvent, ErrorEvent, JobSpec, Once, StartEvent, TokenEvent, cancel_key, stream_key
-from worker.redis_retry import RETRIED, backoff
 
 READ_BACKOFF_CAP_S = 0.5
 """The longest wait between two reads of a job's events while Redis is away: the tokens wait for it once Redis is back."""
@@ -94,36 +92,6 @@ def events(conn: redis.Redis, job_id: str, *, timeout_s: float = 600.0, block_ms
                 raise TimeoutError(f"no event from job {job_id} for {timeout_s:.0f} s")
             continue
         deadline = time.monotonic() + timeout_s
-        last, found = _entries(batch, once)
-        for event in found:
-            yield event
-            if final_event(event):
-                return
-
-
-async def aevents(conn: redis.asyncio.Redis, job_id: str, *, block_ms: int = 1000) -> AsyncIterator[Event | None]:
-    """Like `events`, for asyncio: yields ``None`` each time ``block_ms`` passes without an event, so the caller
-    can check its deadline, its client and the worker's health; ends after a final event.
-
-    A Redis that restarts does not end the stream: reading resumes after the last entry
-    seen. Each failed read waits (redis-py's exponential backoff, at most ``READ_BACKOFF_CAP_S``)
-    and yields ``None``, so the caller's deadline and checks still hold meanwhile; a
-    `redis.retry.Retry` would retry out of the caller's sight.
-    """
-    key, last, once = stream_key(job_id), b"0", Once()
-    waits, failures = backoff(cap_s=READ_BACKOFF_CAP_S), 0
-    while True:
-        try:
-            batch = await conn.xread({key: last}, count=256, block=block_ms)
-        except RETRIED:
-            failures += 1
-            await asyncio.sleep(waits.compute(failures))
-            yield None
-            continue
-        failures = 0
-        if not batch:
-            yield None
-            continue
         last, found = _entries(batch, once)
         for event in found:
             yield event

@@ -189,7 +189,7 @@ class Engine:
                 self.held.exact_upto = self.llm.n_tokens
             self._publish(ns, tokens, keys, plan, spec.breakpoints)
         finally:
-            self._handoff(plan)()
+            self.finder.handoff(plan)()
         if spec.wait_for_publish and self.publisher is not None:
             self.publisher.wait_idle()
         last = outs[-1] if self.decode.exact else out
@@ -298,7 +298,7 @@ class Engine:
         if plan.published or self.publisher is None or not self.publishes_cells:
             return
         plan.published = True
-        release = self._handoff(plan)
+        release = self.finder.handoff(plan)
         snap = None
         if plan.store_tokens < len(tokens) or self.publisher.lacks(ns, tokens, keys, breakpoints):
             c = ns.chunk_size  # the store held the chunks before the first it lacked when the job looked, and pins need their tails
@@ -323,7 +323,7 @@ class Engine:
         if spec.wait_for_publish or spec.breakpoints or plan.store_tokens < full or plan.published or not self.publishes_cells:
             return self._publish(ns, tokens, keys, plan, spec.breakpoints)
         plan.published = True
-        self._handoff(plan)()
+        self.finder.handoff(plan)()
         if self.publisher is not None and plan.store_tokens < len(tokens):
             self._deferred = (ns, tokens, keys, full)
 
@@ -367,11 +367,3 @@ class Engine:
             metrics.PUBLISH_ERRORS.labels(**self.labels, reason=type(e).__name__).inc()
             log.warning("publish.snapshot_failed", extra={"reason": str(e)})
             return None
-
-    def _handoff(self, plan: Plan) -> Callable[[], None]:
-        """Take the job's leases off the plan: whoever calls the result releases them, once."""
-        claim, plan.claim = plan.claim, None
-        leases = self.leases
-        if claim is None or leases is None:
-            return lambda: None
-        return lambda: leases.release(claim)

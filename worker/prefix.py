@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import redis
@@ -125,14 +125,17 @@ class PrefixFinder:
                 plan.pending = None
             self._report(plan)
         except BaseException:
-            self._release(plan)  # the job never starts: no one else would end the leases it took
+            self.handoff(plan)()  # the job never starts: no one else would end the leases it took
             raise
         return plan
 
-    def _release(self, plan: Plan) -> None:
+    def handoff(self, plan: Plan) -> Callable[[], None]:
+        """Take the job's leases off the plan: whoever calls the result releases them, once."""
         claim, plan.claim = plan.claim, None
-        if claim is not None and self.leases is not None:
-            self.leases.release(claim)
+        leases = self.leases
+        if claim is None or leases is None:
+            return lambda: None
+        return lambda: leases.release(claim)
 
     def prepare(self, ns: Namespace, tokens: list[int], keys: list[BlobKey]) -> Plan:
         """Find the deepest prefix available, locally or in the store, and decide what of the store's to restore (`Plan.pending`).

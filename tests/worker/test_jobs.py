@@ -10,9 +10,10 @@ from urllib.parse import urlsplit
 import redis
 import redis.asyncio
 
+from gateway.streams import StreamReader
 from tests.helpers import poll
 from tests.redis_faults import ReplyLosingProxy
-from worker.client import aevents, events
+from worker.client import events
 from worker.jobs import JobStream
 from worker.protocol import DoneEvent, JobResult, StartEvent, Timings, TokenEvent, Usage, cancel_key, stream_key
 
@@ -123,7 +124,11 @@ def test_closing_waits_for_the_write_in_flight_so_nothing_of_the_attempt_lands_a
 
 
 async def _atexts(conn: redis.asyncio.Redis, job_id: str) -> list[str]:
-    return [e.text async for e in aevents(conn, job_id) if isinstance(e, TokenEvent)]
+    reader = StreamReader(conn)  # the gateway's reader of job streams
+    try:
+        return [e.text async for e in reader.events(job_id) if isinstance(e, TokenEvent)]
+    finally:
+        await reader.close()
 
 
 def test_a_write_redis_ran_but_never_answered_is_retried_and_read_once(redis_url: str) -> None:

@@ -18,7 +18,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from gateway.pool.procs import RedisServer
-from worker.client import aevents
+from gateway.streams import StreamReader
 from worker.jobs import JobStream
 from worker.protocol import ErrorEvent, StartEvent, TokenEvent, stream_key
 from worker.redis_retry import outage_retry, ride_out
@@ -152,7 +152,8 @@ def test_reading_a_job_stream_resumes_after_a_redis_restart(own_redis: RedisServ
     async def read() -> list[Any]:
         aconn = redis.asyncio.Redis(port=own_redis.port, socket_connect_timeout=1, retry=AsyncRetry(NoBackoff(), 0))
         got: list[Any] = []
-        async for ev in aevents(aconn, "read-across", block_ms=200):
+        reader = StreamReader(aconn, block_ms=200)  # the gateway's reader of job streams
+        async for ev in reader.events("read-across"):
             got.append(ev)
             if isinstance(ev, StartEvent):
                 await asyncio.to_thread(own_redis.stop)
@@ -161,6 +162,7 @@ def test_reading_a_job_stream_resumes_after_a_redis_restart(own_redis: RedisServ
                 await asyncio.to_thread(writer.send, TokenEvent(text="b", token=2))
             elif isinstance(ev, TokenEvent):
                 break
+        await reader.close()
         await aconn.aclose()
         return got
 
