@@ -80,7 +80,7 @@ def test_a_full_disk_refuses_writes_and_keeps_serving_what_it_holds(redis_url: s
     try:
         store = open_store(server, redis_url, "kvpool-full")
         first, first_keys = chain(3, 8)
-        held = {i: bytes([i]) * 300_000 for i in range(len(first_keys))}
+        held = {i: bytes([i]) * 100_000 for i in range(len(first_keys))}
         store.publish(NS, first, first_keys, held)
         more, more_keys = chain(4, 64)
         with pytest.raises(StoreUnavailable, match="InternalError"):
