@@ -66,14 +66,22 @@ class ModeChoice:
         object.__setattr__(self, "mode", DecodeMode(self.mode))  # read back from JSON as a plain string
 
 
+def step_tokens(llm: Llama, token: int, mode: DecodeMode) -> tuple[list[int], int]:
+    """The tokens that append ``token`` to the context in ``mode``, and the position they go at.
+
+    In ``pair`` mode the previous token is decoded again beside it (its cell replaced).
+    """
+    n = llm.n_tokens
+    if mode is DecodeMode.PAIR and n > 0:
+        return [int(llm.input_ids[n - 1]), token], n - 1
+    return [token], n
+
+
 def decode_step(llm: Llama, token: int, mode: DecodeMode) -> None:
     """Append ``token`` to the context; its logits are then the last ones."""
-    if mode is DecodeMode.PAIR and llm.n_tokens > 0:
-        prev = int(llm.input_ids[llm.n_tokens - 1])
-        llm.n_tokens -= 1  # `Llama.eval` drops every cell from here on: the previous token's too
-        llm.eval([prev, token])
-    else:
-        llm.eval([token])
+    tokens, pos = step_tokens(llm, token, mode)
+    llm.n_tokens = pos  # `Llama.eval` drops every cell from here on: in pair mode, the previous token's too
+    llm.eval(tokens)
 
 
 def answer_held(llm: Llama, tokens: list[int], generated: list[int]) -> list[int] | None:

@@ -41,7 +41,7 @@ from store.chain import BlobKey, Namespace, PrefixKey, prefix_chain
 from store.store import Store
 from worker import metrics
 from worker.checkpoints import checkpoint_stops, evaluate_saving
-from worker.decoding import answer_held, decode_step
+from worker.decoding import answer_held, step_tokens
 from worker.errors import JobRejected
 from worker.held import Held
 from worker.kvstate import Buffer
@@ -241,10 +241,17 @@ class Engine:
 
     def _generate(self, spec: JobSpec, emit: Emit, after_first: Callable[[], None]) -> list[Output]:
         """Sample the job's choices from the evaluated prompt, streaming each token; ``after_first`` runs once the first is out."""
-        return sample_choices(self.llm, spec, emit, after_first, self.settings.n_ctx, lambda: self._rewind(spec.tokens), self._step)
+        return sample_choices(self.llm, spec, emit, after_first, self.settings.n_ctx, lambda: self._rewind(spec.tokens), self._steps)
 
-    def _step(self, token: int) -> None:
-        decode_step(self.llm, token, self.decode)
+    def _steps(self, token: int, next_token: Callable[[], int | None]) -> None:
+        """Decode ``token`` and each token ``next_token`` samples after it, every step on the engine loop's thread."""
+        llm, mode = self.llm, self.decode
+
+        def next_step() -> tuple[list[int], int] | None:
+            tok = next_token()
+            return None if tok is None else step_tokens(llm, tok, mode)
+
+        llm.generate(*step_tokens(llm, token, mode), next_step)
 
     def _rewind(self, tokens: list[int]) -> None:
         """Back to the end of the prompt for another choice: its last two tokens evaluated again, as one batch."""

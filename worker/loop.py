@@ -24,10 +24,17 @@ the request is marked abandoned, the loop drops it before the next round and rem
 cells it added, so nothing of it reaches the sequence's next job. A client that leaves
 during a long prompt costs at most the piece being decoded.
 
-**Gathering.** The jobs sample in their own threads, so after a round the loop waits up
-to ``gather_s`` for each sequence it just stepped to ask for its next step, so that the
-sequences keep decoding together; a sequence that takes longer (its client's stream, a
-stop) is not waited for again until it steps again.
+**Sampling in the loop.** A job's generation is a `worker.rounds.Chain`: after each of
+its steps the loop itself samples the next token, sends it to the job's stream and queues
+the step that decodes it, all before the next round (`_advance`), as llama-server's
+``update_slots`` samples each slot after its ``llama_decode``. A job's thread wakes once a
+choice, when it ends, not once a token; the sequence's records (tokens held, logits)
+change with its cells, on this thread.
+
+**Gathering.** A sequence stepped by its job's thread (the settling of an answer) asks for
+its next step itself, so after a round the loop waits up to ``gather_s`` for each such
+sequence, so that the sequences keep decoding together; a sequence that takes longer is
+not waited for again until it steps again. A chain's next step is queued at once.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ import llama_cpp
 import numpy as np
 
 from worker.errors import JobAborted
-from worker.rounds import CallKind, CallTotals, Piece, Request, StepCost, call_kinds, fillers, plan_round
+from worker.rounds import Advance, CallKind, CallTotals, Chain, Piece, Request, StepCost, call_kinds, fillers, plan_round
 
 log = logging.getLogger("kvpool.worker.loop")
 
@@ -116,20 +123,41 @@ class EngineLoop:
         if len(tokens) == 0:
             raise ValueError("nothing to decode")
         req = Request(seq, list(tokens), pos, rows)
+        self._await(req, req.finished, watch)
+        if req.error is not None:
+            raise req.error
+        assert req.out is not None
+        return req.out
+
+    def generate(self, seq: int, tokens: list[int], pos: int, advance: Advance, *, watch: Watch | None = None) -> None:
+        """Decode the step ``tokens`` of ``seq`` at ``pos...``, then every step ``advance`` names after it, on the loop's thread.
+
+        ``advance`` runs on the loop's thread after each step (see `worker.rounds.Chain`);
+        this returns when it says done, raises what it raised, and, as `decode`, abandons
+        the chain on `JobAborted` or any exception reaching this thread, returning once
+        the loop has let go of it.
+        """
+        chain = Chain(advance)
+        self._await(Request(seq, list(tokens), pos, chain=chain), chain.finished, watch)
+        if chain.error is not None:
+            raise chain.error
+
+    def _await(self, req: Request, done: threading.Event, watch: Watch | None) -> None:
+        """Queue ``req`` and wait for ``done``, asking ``watch`` between waits; on any exception, abandon it."""
         try:  # the submit too: an exception between it and the wait would leave a request no one waits for
             self._submit(lambda: self._queue.append(req))
-            while not req.finished.wait(WAIT_S):
+            while not done.wait(WAIT_S):
                 if watch is not None and (why := watch()) is not None:
                     raise JobAborted(why)
         except BaseException:
             with self._cv:
                 req.abandoned = True
+                if req.chain is not None:
+                    req.chain.abandoned = True
                 self._cv.notify_all()
+            while req.chain is not None and not done.wait(WAIT_S) and self._thread.is_alive():
+                pass  # the loop may be advancing it: its records are the loop's until it lets go
             raise
-        if req.error is not None:
-            raise req.error
-        assert req.out is not None
-        return req.out
 
     def run(self, seq: int, fn: Callable[[llama_cpp.Llama], T]) -> T:
         """``fn(llm)`` on the loop's thread, between rounds; its result or its exception."""
@@ -214,11 +242,13 @@ class EngineLoop:
         for task in tasks:
             self._run_task(task)
         with self._cv:
-            calls = plan_round([r for r in self._queue if not r.abandoned], self.n_ubatch, self.prefill_chunk)
+            calls = plan_round([r for r in self._queue if not r.dropped], self.n_ubatch, self.prefill_chunk)
         for call, kind in zip(calls, call_kinds(calls), strict=True):
             self._call_or_split(call, kind)
         with self._cv:
-            self._settle_round(calls)
+            chained = self._settle_round(calls)
+        self._advance(chained)
+        with self._cv:
             dropped = self._take_abandoned()
         self._purge(dropped)
         return True
@@ -244,8 +274,8 @@ class EngineLoop:
         return self._expected - {r.seq for r in self._queue} - {t.seq for t in self._tasks}
 
     def _fail_all(self, error: BaseException) -> None:
-        """Every request and task waiting gets ``error``; the caller holds ``_cv``."""
-        waiting: list[Request | Task[Any]] = [*self._queue, *self._tasks]
+        """Every request, chain and task waiting gets ``error``; the caller holds ``_cv``."""
+        waiting: list[Request | Task[Any] | Chain] = [*self._queue, *self._tasks, *(r.chain for r in self._queue if r.chain)]
         for w in waiting:
             w.error = error
             w.finished.set()
@@ -254,11 +284,13 @@ class EngineLoop:
 
     def _take_abandoned(self) -> list[Request]:
         """The abandoned requests, out of the queue; the caller holds ``_cv``."""
-        gone = [r for r in self._queue if r.abandoned]
+        gone = [r for r in self._queue if r.dropped]
         for r in gone:
             self._queue.remove(r)
             self._expected.discard(r.seq)
             r.finished.set()
+            if r.chain is not None:
+                r.chain.finished.set()
         self.dropped += len(gone)
         return gone
 
@@ -276,15 +308,47 @@ class EngineLoop:
             task.error = e
         task.finished.set()
 
-    def _settle_round(self, calls: list[list[Piece]]) -> None:
+    def _settle_round(self, calls: list[list[Piece]]) -> list[Request]:
+        """The round's finished requests out of the queue, their jobs woken; returns the chained ones, to advance."""
         self.rounds += 1
+        chained: list[Request] = []
         for call in calls:
             for req, _n in call:
-                if req.finished.is_set() and req in self._queue and not req.abandoned:  # abandoned: purged below
+                if req.finished.is_set() and req in self._queue and not req.dropped:  # abandoned: purged below
                     self._queue.remove(req)
-                    if req.is_step and req.error is None:
+                    if req.chain is not None:
+                        chained.append(req)
+                    elif req.is_step and req.error is None:
                         self._expected.add(req.seq)
         self._cv.notify_all()
+        return chained
+
+    def _advance(self, chained: list[Request]) -> None:
+        """Each chain's next step, sampled now and queued for the next round; a chain that is done, failed or abandoned ends."""
+        steps: list[Request] = []
+        for req in chained:
+            chain = req.chain
+            assert chain is not None
+            step = None
+            if req.error is not None:
+                chain.error = req.error
+            elif not chain.abandoned:
+                try:
+                    step = chain.advance(req)
+                except Exception as e:  # the job's error (its stream failed, ...), never the loop's
+                    chain.error = e
+            if step is None:
+                chain.finished.set()
+            else:
+                steps.append(Request(req.seq, step[0], step[1], chain=chain))
+        with self._cv:
+            for req in steps:
+                if self._closed:
+                    req.chain.error = LoopClosed("the worker is stopping")  # type: ignore[union-attr]
+                    req.chain.finished.set()  # type: ignore[union-attr]
+                else:  # one abandoned meanwhile is queued too: dropped at once, its cells purged as any other's
+                    self._queue.append(req)
+            self._cv.notify_all()
 
     def _call_or_split(self, call: list[Piece], kind: CallKind) -> None:
         """`_call`; where llama.cpp refuses it, the call's pieces again in two halves, down to one: only the request at fault fails.

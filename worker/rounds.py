@@ -41,17 +41,40 @@ shares a call only where the sizes allow it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import groupby
 
 import numpy as np
 
+Advance = Callable[["Request"], "tuple[list[int], int] | None"]
+"""Run by the loop after a chained step (`Chain`): the next step's tokens and position, or None when the generation is done."""
+
+
+@dataclass(eq=False)
+class Chain:
+    """A generation whose steps follow each other on the loop's thread, without waking its job.
+
+    After each step the loop calls ``advance`` with the step's request (its logits in
+    ``out``): it samples, sends the token, and names the next step, which the loop queues
+    for the next round at once. The job's thread waits on ``finished`` alone: set when
+    ``advance`` says done, on an error (``error``) or, once ``abandoned``, when the loop has
+    let go of it (it then touches neither the sequence's cells nor its records).
+    """
+
+    advance: Advance
+    finished: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    abandoned: bool = False
+
 
 @dataclass(eq=False)
 class Request:
-    """Tokens of one sequence to decode after ``pos`` cells; ``rows``: the logits of every token, else of the last."""
+    """Tokens of one sequence to decode after ``pos`` cells; ``rows``: the logits of every token, else of the last.
+
+    A step of a `Chain` names it: the loop then advances the chain instead of waking a job.
+    """
 
     seq: int
     tokens: list[int]
@@ -63,6 +86,12 @@ class Request:
     finished: threading.Event = field(default_factory=threading.Event)
     abandoned: bool = False
     """Its job stopped waiting (cancelled, timed out, stopped): the loop drops it before the next round."""
+    chain: Chain | None = None
+
+    @property
+    def dropped(self) -> bool:
+        """Abandoned, itself or through its chain."""
+        return self.abandoned or (self.chain is not None and self.chain.abandoned)
 
     @property
     def left(self) -> int:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -28,8 +29,9 @@ Emit = Callable[[TokenEvent], bool]
 """Sends one token event; returns False when the job was cancelled."""
 Rewind = Callable[[], None]
 """Brings the context back to the evaluated prompt, its last token's logits fresh."""
-Step = Callable[[int], None]
-"""Decodes one sampled token after the context's cells (`worker.decoding.decode_step`)."""
+Steps = Callable[[int, Callable[[], "int | None"]], None]
+"""Decodes a sampled token, then, on the engine loop's thread after each step, the token the
+second argument samples from that step's logits, until it gives None (`worker.engine.Engine`)."""
 
 
 @dataclass
@@ -46,7 +48,7 @@ class Output:
 
 
 def sample_choices(
-    llm: Llama, spec: JobSpec, emit: Emit, after_first: Callable[[], None], n_ctx: int, rewind: Rewind, step: Step
+    llm: Llama, spec: JobSpec, emit: Emit, after_first: Callable[[], None], n_ctx: int, rewind: Rewind, steps: Steps
 ) -> list[Output]:
     """The job's ``n`` choices, one after the other; a cancelled choice ends the job."""
     outs: list[Output] = []
@@ -54,7 +56,7 @@ def sample_choices(
     for i in range(spec.sampling.n):
         if i:
             rewind()
-        out = _one(llm, spec, emit, after_first if i == 0 else _nothing, n_ctx, i, grammar, step)
+        out = _one(llm, spec, emit, after_first if i == 0 else _nothing, n_ctx, i, grammar, steps)
         outs.append(out)
         if out.finish == "cancelled":
             break
@@ -101,6 +103,53 @@ def _seed(s: SamplingParams, index: int) -> int:
     return (s.seed + index) % 2**32 if s.seed is not None else random.randrange(2**32)
 
 
+class Choice:
+    """One choice being sampled: each token is checked, sent and counted by `take`.
+
+    The first token is sampled by the job's thread from the evaluated prompt; every later
+    one by the engine loop right after the step that decoded the token before it (`next`,
+    `Steps`), so the job's thread does not wake per token.
+    """
+
+    def __init__(self, llm: Llama, spec: JobSpec, emit: Emit, n_ctx: int, index: int) -> None:
+        self.llm, self.emit, self.s = llm, emit, spec.sampling
+        self.out = Output(index=index)
+        self.stream = TextStream(llm, self.s.stop)
+        self.budget = min(self.s.max_tokens, n_ctx - len(spec.tokens))
+
+    def take(self, tok: int) -> bool:
+        """Record and send the sampled ``tok``; whether the choice goes on (its token then decoded)."""
+        s, out = self.s, self.out
+        if out.t_first is None:
+            out.t_first = time.perf_counter()
+        if is_end_of_generation(self.llm, tok):
+            out.finish = "stop"
+            if s.prompt_logprobs is not None and s.logprobs is not None:
+                self.emit(end_event(self.llm, tok, s.logprobs, out.index))
+            return False
+        out.tokens.append(tok)
+        if not self.emit(token_event(self.llm, tok, self.stream.push(tok), s.logprobs, out)):
+            out.finish = "cancelled"
+            return False
+        if self.stream.stopped or len(out.tokens) >= self.budget:
+            out.finish = "stop" if self.stream.stopped else "length"
+            return False
+        return True
+
+    def next(self) -> int | None:
+        """The next token, sampled from the last step's logits, if the choice goes on with it (on the loop's thread)."""
+        tok = self.llm.sample(idx=None)
+        return tok if self.take(tok) else None
+
+    def end(self) -> Output:
+        """The choice as generated: text held back for a stop string that never came is sent."""
+        out, stream = self.out, self.stream
+        if out.finish != "cancelled" and not stream.stopped and (tail := stream.flush()):
+            self.emit(TokenEvent(text=tail, token=-1, index=out.index))
+        out.text, out.stop_sequence = stream.text, stream.matched
+        return out
+
+
 def _one(
     llm: Llama,
     spec: JobSpec,
@@ -109,50 +158,32 @@ def _one(
     n_ctx: int,
     index: int,
     grammar: llama_cpp.LlamaGrammar | None,
-    step: Step,
+    steps: Steps,
 ) -> Output:
-    """Sample one choice, streaming each token; ``after_first`` runs once its first token is out."""
-    s = spec.sampling
-    out = Output(index=index)
-    llm.set_seed(_seed(s, index))
-    stream = TextStream(llm, s.stop)
-    budget = min(s.max_tokens, n_ctx - len(spec.tokens))
-    gen = _sampled(llm, s, grammar, step)
-    try:
-        for tok in gen if budget > 0 else ():
-            first = out.t_first is None
-            if first:
-                out.t_first = time.perf_counter()
-            if is_end_of_generation(llm, tok):
-                out.finish = "stop"
-                if s.prompt_logprobs is not None and s.logprobs is not None:
-                    emit(end_event(llm, tok, s.logprobs, index))
-                break
-            out.tokens.append(tok)
-            if not emit(token_event(llm, tok, stream.push(tok), s.logprobs, out)):
-                out.finish = "cancelled"
-                break
-            if first:
-                after_first()
-            if stream.stopped or len(out.tokens) >= budget:
-                out.finish = "stop" if stream.stopped else "length"
-                break
-    finally:
-        gen.close()
-    if out.finish != "cancelled" and not stream.stopped and (tail := stream.flush()):
-        emit(TokenEvent(text=tail, token=-1, index=index))
-    out.text, out.stop_sequence = stream.text, stream.matched
-    return out
-
-
-def _sampled(llm: Llama, s: SamplingParams, grammar: llama_cpp.LlamaGrammar | None, step: Step) -> Generator[int, None, None]:
-    """Tokens sampled one after the other from the evaluated prompt, each decoded by ``step`` before the next is sampled.
+    """Sample one choice, streaming each token; ``after_first`` runs once its first token is out.
 
     The sampler chain is llama-cpp-python's (`Llama.generate` builds the same one); the
     decoding is ours, so that the engine decides how each token's cells are computed. A
     token whose successor is never asked for is never decoded.
     """
-    llm._sampler = llm._init_sampler(
+    choice = Choice(llm, spec, emit, n_ctx, index)
+    llm.set_seed(_seed(spec.sampling, index))
+    llm._sampler = _sampler(llm, spec.sampling, grammar)
+    try:
+        if choice.budget > 0:
+            first = llm.sample(idx=None)  # the evaluated prompt's last logits, through the chain set above
+            go_on = choice.take(first)
+            if choice.out.tokens and choice.out.finish != "cancelled":
+                after_first()
+            if go_on:
+                steps(first, choice.next)
+    finally:
+        llm._sampler = None
+    return choice.end()
+
+
+def _sampler(llm: Llama, s: SamplingParams, grammar: llama_cpp.LlamaGrammar | None) -> Any:
+    return llm._init_sampler(
         top_k=s.top_k,
         top_p=s.top_p,
         min_p=s.min_p,
@@ -163,13 +194,6 @@ def _sampled(llm: Llama, s: SamplingParams, grammar: llama_cpp.LlamaGrammar | No
         logits_processor=_bias(s.logit_bias) if s.logit_bias else None,
         grammar=grammar,
     )
-    try:
-        while True:
-            token = llm.sample(idx=None)  # the last decoded token's logits, through the chain set above
-            yield token
-            step(token)
-    finally:
-        llm._sampler = None
 
 
 def token_event(llm: Llama, tok: int, text: str, top_n: int | None, out: Output) -> TokenEvent:

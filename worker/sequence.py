@@ -4,7 +4,9 @@
 ``n_tokens``, ``input_ids``, sampling, the tokenizer) for sequence ``seq`` of a context
 opened with ``n_seq_max`` streams; every decode and every other call
 into the context is work handed to the `worker.loop.EngineLoop` that owns it, and the
-view waits for the result: a job's thread never touches the context. `worker.llama_state`
+view waits for the result: a job's thread never touches the context. A generation
+(`generate`) runs on the loop's thread from its first step to its last, which updates
+the view's records as it decodes. `worker.llama_state`
 reads and restores a view's state through `read_state` and `write_state`, which convert
 llama.cpp's multi-stream sequence state to the single-stream blob every other worker
 writes (and back): a chunk is the same bytes whatever ``KVPOOL_PARALLEL`` its publisher
@@ -21,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import llama_cpp
@@ -30,6 +32,7 @@ import numpy as np
 from worker.errors import StateReadError
 from worker.kvstate import as_sequence_zero
 from worker.loop import EngineLoop, Watch, token_data
+from worker.rounds import Request
 
 _HEAD = struct.Struct("<IiI")  # magic, seq_id, n_stream
 _EMPTY = struct.pack("<I", 0)
@@ -116,11 +119,42 @@ class SeqView:
     def eval(self, tokens: Sequence[int]) -> None:
         """Append ``tokens`` after the first ``n_tokens`` cells (the cells past them are removed first)."""
         tokens = list(tokens)
-        if self.n_tokens + len(tokens) > self._n_ctx:
-            raise RuntimeError(f"{self.n_tokens + len(tokens)} tokens do not fit the sequence's {self._n_ctx} cells")
-        self.logits = self.loop.decode(self.seq, tokens, self.n_tokens, watch=self.watch)
-        self.input_ids[self.n_tokens : self.n_tokens + len(tokens)] = tokens
-        self.n_tokens += len(tokens)
+        self._check_room(tokens, self.n_tokens)
+        self._took(tokens, self.n_tokens, self.loop.decode(self.seq, tokens, self.n_tokens, watch=self.watch))
+
+    def generate(self, tokens: list[int], pos: int, next_step: Callable[[], tuple[list[int], int] | None]) -> None:
+        """Decode the step ``tokens`` at ``pos``, then each step ``next_step`` names, until it names none.
+
+        ``next_step`` runs on the loop's thread after each step, once this view's records
+        hold the step (its tokens, its logits): it samples from them and returns the next
+        step's tokens and position (`worker.decoding.step_tokens`). The records change with
+        the cells: a step's position is recorded as the end of what is held before it is
+        decoded (the cells from there on are replaced), its tokens once it is. The view's
+        watch is not asked: a client's cancel comes back with the token sent after it, and
+        the choice ends ``cancelled`` with what it made (`worker.sampling.Choice`).
+        """
+
+        def advance(req: Request) -> tuple[list[int], int] | None:
+            self._took(req.tokens, req.pos, req.out)
+            step = next_step()
+            if step is not None:
+                self._check_room(step[0], step[1])
+                self.n_tokens = step[1]
+            return step
+
+        self._check_room(tokens, pos)
+        self.n_tokens = pos
+        self.loop.generate(self.seq, tokens, pos, advance)  # a cancel is seen by the stream's next token (the choice ends cancelled)
+
+    def _check_room(self, tokens: Sequence[int], pos: int) -> None:
+        if pos + len(tokens) > self._n_ctx:
+            raise RuntimeError(f"{pos + len(tokens)} tokens do not fit the sequence's {self._n_ctx} cells")
+
+    def _took(self, tokens: Sequence[int], pos: int, logits: Any) -> None:
+        """The records of ``tokens`` decoded at ``pos``: what the cells hold up to their end, and the last token's logits."""
+        self.logits = logits
+        self.input_ids[pos : pos + len(tokens)] = tokens
+        self.n_tokens = pos + len(tokens)
         self._requires_eval = False
 
     def decode_rows(self, tokens: Sequence[int]) -> np.ndarray:

@@ -1,11 +1,14 @@
-"""The engine loop keeps a failure with the request at fault: its neighbours in the same call get their logits.
+"""The engine loop keeps a failure with the request at fault, and runs a generation on its own thread.
 
 A real context of two sequences on the generated tiny model, in this process; the loop is held
 by a task while two decode requests queue, so that both go into one ``llama_decode`` call.
+A generation (`EngineLoop.generate`, `SeqView.generate`) is sampled step after step by the
+loop: its job's thread hands it over once and wakes once.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +20,8 @@ import pytest
 from tests.helpers import poll
 from worker.context import Context
 from worker.loop import EngineLoop
+from worker.rounds import Request
+from worker.sequence import SeqView
 from worker.settings import WorkerSettings
 
 
@@ -97,3 +102,80 @@ def test_a_request_abandoned_by_an_exception_as_it_is_submitted_is_never_decoded
     loop._submit = real  # type: ignore[method-assign]
     poll(lambda: loop.dropped == 1, "the abandoned request dropped")
     assert loop.pending() == 0 and positions(loop, 0) == (0, 1), "dropped and purged as any abandoned request, never decoded later"
+
+
+def greedy_by_hand(loop: EngineLoop, seq: int, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``prompt``, each step decoded by a request of this thread."""
+    logits = loop.decode(seq, prompt, 0)
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = loop.decode(seq, [out[-1]], len(prompt) + len(out) - 1)
+    return out
+
+
+def test_a_generation_is_stepped_and_sampled_by_the_loop_alone_until_it_says_done(loop: EngineLoop) -> None:
+    prompt = [5, 6, 7, 8, 9, 10]
+    expected = greedy_by_hand(loop, 1, prompt, 12)
+    first = int(np.argmax(loop.decode(0, prompt, 0)))
+    got, threads = [first], set()
+
+    def advance(req: Request) -> tuple[list[int], int] | None:
+        threads.add(threading.current_thread().name)
+        assert req.out is not None
+        got.append(int(np.argmax(req.out)))
+        return ([got[-1]], req.pos + 1) if len(got) < 12 else None
+
+    rounds = loop.rounds
+    loop.generate(0, [first], len(prompt), advance)
+    assert got == expected, "the same greedy tokens as steps decoded one request at a time"
+    assert threads == {"kvpool-loop"}, "every step advanced on the loop's thread"
+    assert loop.rounds - rounds == 11 and loop.pending() == 0, "one round a step, nothing left behind"
+    assert positions(loop, 0) == (0, len(prompt) + 10), "the cells of every token decoded: all but the last sampled"
+
+
+def test_an_error_raised_while_advancing_fails_that_generation_and_the_loop_goes_on(loop: EngineLoop) -> None:
+    loop.decode(0, [5, 6, 7], 0)
+
+    def advance(req: Request) -> tuple[list[int], int] | None:
+        raise ValueError("the job's stream is gone")
+
+    with pytest.raises(ValueError, match="stream is gone"):
+        loop.generate(0, [4], 3, advance)
+    assert loop.decode(1, [1, 2], 0).shape == (loop.n_vocab,), "the loop serves the next request"
+
+
+def test_a_generation_its_job_leaves_mid_way_leaves_records_saying_what_its_cells_hold(loop: EngineLoop) -> None:
+    """A job timeout reaching the job's thread while the loop is between two steps: the view's tokens held end where its cells do."""
+    view = SeqView(loop, 0, 2, 256)
+    view.eval([5, 6, 7, 8])
+    steps, arrived = 0, threading.Event()
+
+    class JobTimeout(Exception):  # raised in the job's thread as RQ's timeout is: asynchronously
+        def __init__(self) -> None:
+            arrived.set()
+
+    def next_step() -> tuple[list[int], int] | None:
+        nonlocal steps
+        steps += 1
+        if steps >= 5:
+            arrived.wait(30)  # the loop holds the chain until the timeout is in the job's thread
+        return [int(view.input_ids[view.n_tokens - 1]), 9], view.n_tokens - 1  # pair steps: the previous token again
+
+    outcome: list[BaseException] = []
+
+    def job() -> None:
+        try:
+            view.generate([8, 9], 3, next_step)
+        except JobTimeout as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    poll(lambda: steps >= 5, "five steps")
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(JobTimeout))
+    thread.join(30)
+    assert not thread.is_alive() and len(outcome) == 1, "generate raised the job's timeout once the loop let go"
+    poll(lambda: loop.pending() == 0, "the abandoned step dropped")
+    assert positions(loop, 0) == (0, view.n_tokens - 1), f"records say {view.n_tokens} tokens held"
+    assert view.n_tokens >= 8 and view.input_ids[: view.n_tokens].tolist() == [5, 6, 7, 8] + [9] * (view.n_tokens - 4)
