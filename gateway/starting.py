@@ -4,7 +4,7 @@ A request that finds no live worker (`gateway.dispatch.NoLiveWorker`) asks what 
 is (`worker.advert.apool_view`, one round trip):
 
 * **starting**: worker processes are announced as starting (spawned, loading their model:
-  `worker.starting`), or no worker of this model and chunk size has ever advertised in
+  `worker.process.starting`), or no worker of this model and chunk size has ever advertised in
   this Redis (a new pool, whose workers may not even be spawned yet). The request waits
   for a worker, up to ``KVPOOL_START_WAIT_S`` from its arrival and never past its own
   deadline (``KVPOOL_REQUEST_TIMEOUT_S`` counts the wait), and is then dispatched as any

@@ -1,7 +1,7 @@
 """Whole-state checkpoints: the state of a sequence after its first ``k`` tokens, for memories that cannot be cut.
 
 A sliding-window cache holds only the window, and a recurrent memory one fixed block per
-sequence, so their state cannot be cut into per-chunk cells (`worker.kvchunks`). What
+sequence, so their state cannot be cut into per-chunk cells (`worker.cache.kvchunks`). What
 can be stored is the whole state at a chunk boundary. It is a function of the tokens up
 to that boundary alone, so it is content-addressed by the chain key of the boundary's
 chunk, exactly like a chunk, and it is stored and verified like one: a blob whose header
@@ -164,7 +164,7 @@ class Checkpoints:
         checkpoint, and the older ones of the same conversation would only pile up (whole
         states, as large as their position). The one it resumed from stays, for another
         request that parts from the same history (a retry, a side request of an agent).
-        Boundary checkpoints stay: they are few (`worker.checkpoints.spaced`) and shared. Every
+        Boundary checkpoints stay: they are few (`worker.cache.checkpoints.spaced`) and shared. Every
         boundary before ``resumed`` is looked at (one round trip), not only those after the
         deepest boundary checkpoint, so no older tail of the conversation is left behind.
         """

@@ -235,7 +235,7 @@ class Store(Maintenance):
         before their index entries, and every index write of the call (entries, the last
         chunk offered as a candidate, a tail capped at ``tails_per_chunk`` per chunk, the
         touch) goes in one round trip. ``absent``: the caller has just found every one of them
-        missing from the index (`worker.publisher`), so that check is not made again.
+        missing from the index (`worker.cache.publisher`), so that check is not made again.
         """
         c, wanted = ns.chunk_size, sorted(payloads)
         if wanted and (wanted[0] < 0 or wanted[-1] >= len(keys)):

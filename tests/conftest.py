@@ -34,7 +34,7 @@ it): the remembered start-up checks, and each process start's wait (`starts-*.js
 SUITE_SETTINGS = {"KVPOOL_PARALLEL": "1", "KVPOOL_CHECK_RECORDS": str(RUN_FOLDER / "checks")}
 """The suite's own defaults: one sequence per worker, unless a test asks for more (`tests/worker/test_batched.py`,
 `test_siblings.py`, ...); what the default (chosen per model) opens has tests of its own (`tests/worker/test_sequences.py`).
-Start-up checks are remembered for the run, not across runs (`worker.checkrecords`): each run checks each model and
+Start-up checks are remembered for the run, not across runs (`worker.startup.checkrecords`): each run checks each model and
 layout once, in whichever worker starts first."""
 os.environ.update(SUITE_SETTINGS)  # for fixtures of a wider scope, set up before the one below
 

@@ -33,8 +33,8 @@ from store.settings import StoreSettings
 from store.store import Store
 from worker.advert import adverts
 from worker.client import events, submit
-from worker.decoding import DecodeMode, choose_mode, decode_step
-from worker.llama_state import evaluate_prompt, last_logits
+from worker.engine.decoding import DecodeMode, choose_mode, decode_step
+from worker.engine.llama_state import evaluate_prompt, last_logits
 from worker.protocol import DoneEvent, ErrorEvent, JobResult, JobSpec, SamplingParams, StartEvent, TokenEvent, job_spec, worker_queue
 from worker.settings import WorkerSettings
 
@@ -108,7 +108,7 @@ def cold_generate(
 ) -> list[int]:
     """What a worker answers: the prompt evaluated from scratch in the worker's batches, then each token sampled by
     llama-cpp-python's sampler chain (``sampling`` as `Llama.generate` takes it) and decoded so that its cells are a
-    cold evaluation's, as the worker does (`worker.decoding`); stops at end-of-generation or ``n`` tokens.
+    cold evaluation's, as the worker does (`worker.engine.decoding`); stops at end-of-generation or ``n`` tokens.
     ``prompt_logits`` gets a copy of the logits the prompt's evaluation gave (the first token's)."""
     mode: DecodeMode | None = getattr(llm, "kvpool_decode_mode", None)
     if mode is None:  # checked once per model object (an id could be reused by another model once this one is freed)

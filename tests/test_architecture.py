@@ -21,30 +21,12 @@ ROOT_COMMAND = "gateway.cli"
 """The root ``kvpool`` command: it reaches every command group through a table of names, imported when used."""
 POOL = "gateway.pool"
 """Running a whole pool (processes, ``kvpool up``, the generated docs, the benchmarks): it may import anything, nothing imports it."""
-ENGINE_SIDE = {
-    "worker.engine",
-    "worker.prefix",
-    "worker.llama_state",
-    "worker.kvcache",
-    "worker.kvchunks",
-    "worker.process",
-    "worker.registration",
-    "worker.stopping",
-    "worker.rq_worker",
-    "worker.supervision",
-    "worker.publisher",
-    "worker.selfcheck",
-    "worker.checkrecords",
-    "worker.leases",
-    "worker.context",
-    "worker.loop",
-    "worker.rounds",
-    "worker.sequence",
-    "worker.siblings",
-    "worker.held",
-}
+ENGINE_SIDE = {"worker.engine", "worker.cache", "worker.startup", "worker.answering", "worker.process"}
+"""The worker's engine side: its four folders and the job's path through them (`worker.answering`)."""
+WORKER_LAYERS = ["worker.engine", "worker.cache", "worker.startup", "worker.answering", "worker.process"]
+"""The worker's parts from the ground up: each imports only those below it (docs/architecture.md's map)."""
 MAX_MODULE_LINES = 400
-ROOMY_MODULES = {"worker.loop": 600}
+ROOMY_MODULES = {"worker.engine.loop": 600}
 """Modules whose one concept needs more room than `MAX_MODULE_LINES` (the engine loop: its iteration, calls and their failures)."""
 MAX_FUNCTION_LINES = 60
 
@@ -97,6 +79,14 @@ def _engine_side(module: str) -> bool:
 def test_the_gateway_never_reaches_the_engine(name: str) -> None:
     bad = sorted(m for m in _reachable(name) if _engine_side(m))
     assert not bad, f"{name} imports the engine side: {bad}"
+
+
+@pytest.mark.parametrize("name", [m for m in MODULES if any(_in(m, layer) for layer in WORKER_LAYERS)])
+def test_each_part_of_the_worker_imports_only_the_parts_below_it(name: str) -> None:
+    own = next(i for i, layer in enumerate(WORKER_LAYERS) if _in(name, layer))
+    above = WORKER_LAYERS[own + 1 :]
+    bad = sorted(m for m in _direct_imports(name) if any(_in(m, layer) for layer in above))
+    assert not bad, f"{name} ({WORKER_LAYERS[own]}) imports the parts above it: {bad}"
 
 
 @pytest.mark.parametrize("name", [m for m in MODULES if m.startswith("gateway") and not _in(m, POOL)])

@@ -51,7 +51,7 @@ from store.blob import BlobName
 from store.index import RedisIndex
 from store.maintenance import UNKNOWN_KERNELS, bytes_by_kernels
 from tests.helpers import THREADS, cold_generate, env_for_pool, s3_client, s3_settings
-from worker.context import flash_attn_for
+from worker.engine.context import flash_attn_for
 
 CLIENTS = 4
 MAX_TOKENS = 12

@@ -79,7 +79,7 @@ class Advert:
     kernels: str = ""
     """The worker's kernel fingerprint, canonical (its digest, or ``any``, is in ``layout``)."""
     decode: str = ""
-    """How the worker decodes generated tokens (`worker.decoding.DecodeMode`): ``settle`` when not exactly."""
+    """How the worker decodes generated tokens (`worker.engine.decoding.DecodeMode`): ``settle`` when not exactly."""
     sequences: int = 1
     """The sequences of the worker process (``KVPOOL_PARALLEL`` as resolved for its model), each advertised as ``name.i``."""
 

@@ -124,8 +124,8 @@ def worker_command(settings: WorkerSettings, burst: bool) -> None:
     quiet_openmp()  # before llama_cpp, and with it the OpenMP runtime, is loaded
     from worker.errors import WorkerNameTaken
     from worker.models.fetch import ModelChecksumError
-    from worker.process import run_worker
-    from worker.supervision import ThreadDied
+    from worker.process.main import run_worker
+    from worker.process.supervision import ThreadDied
 
     try:
         run_worker(settings, burst=burst)

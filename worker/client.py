@@ -40,7 +40,7 @@ def submit(
 ) -> Job:
     """Enqueue ``spec`` for the workers listening on ``queue``; a dead worker's job is tried again up to ``attempts`` times."""
     return Queue(queue, connection=conn).enqueue(
-        "worker.jobs.run_job",
+        "worker.process.jobs.run_job",
         spec.model_dump(),
         job_id=job_id,
         job_timeout=timeout_s,

@@ -32,7 +32,7 @@ class StateError(WorkerError):
 
 
 class StateFormatError(StateError, ValueError):
-    """A state blob or payload is not in the layout `worker.kvstate` and `worker.kvchunks` understand."""
+    """A state blob or payload is not in the layout `worker.engine.kvstate` and `worker.cache.kvchunks` understand."""
 
 
 class StateReadError(StateError, RuntimeError):
@@ -60,4 +60,4 @@ class WorkerNameTaken(WorkerError, RuntimeError):
 
 
 class JobAborted(WorkerError):
-    """The job stopped between two steps of the engine loop: its client cancelled or left (`worker.loop`)."""
+    """The job stopped between two steps of the engine loop: its client cancelled or left (`worker.engine.loop`)."""

@@ -6,7 +6,7 @@ without llamafile's sgemm (measured on SmolLM2: more than half of a sequence sta
 bytes differ, logits by up to 0.78), and a GPU computes other bits again. Cells
 computed by one kind of kernel and restored by another are not what a cold
 evaluation there would give, so two workers share chunks only when their kernel
-fingerprints match (`worker.namespace` puts the fingerprint into the blob namespace).
+fingerprints match (`worker.cache.namespace` puts the fingerprint into the blob namespace).
 
 The fingerprint is read from the library the worker loaded, never from the CPU or the
 environment at large:
@@ -25,7 +25,7 @@ environment at large:
   kernels (`SWITCHES`), as llama.cpp reads them;
 * the *exactness mode* of the engine: how it batches what it evaluates
   (``decode=seq1``, `DECODE_SEQ1`: never a prompt batch that ends on one token). The
-  batched engine (`worker.loop`) and every decode mode (`worker.decoding`: single,
+  batched engine (`worker.engine.loop`) and every decode mode (`worker.engine.decoding`: single,
   pair, settle) publish only cells that equal a cold evaluation's, each sequence in a
   KV stream of its own, so they add no mode: a worker of any ``KVPOOL_PARALLEL`` and
   any decode mode shares chunks with the others (tested in `tests/worker/test_batched.py`,
@@ -51,7 +51,7 @@ FORMAT = 1
 """Version of the canonical string: a change of what is read or how it is written bumps it."""
 
 DECODE_SEQ1 = "seq1"
-"""One sequence per batch, prompts in batches of two or more tokens (`worker.llama_state.batch_sizes`)."""
+"""One sequence per batch, prompts in batches of two or more tokens (`worker.engine.llama_state.batch_sizes`)."""
 
 IGNORED_FEATURES = frozenset({"OPENMP", "N_THREADS", "N_THREADS_BATCH"})
 """How work is spread over threads, not what a thread computes."""

@@ -11,7 +11,9 @@ INFO = Info("kvpool_worker", "The worker's model, KV layout and whether it resto
 PROMPT_TOKENS = Counter("kvpool_worker_prompt_tokens_total", "Prompt tokens received.", _L)
 REUSED_TOKENS = Counter("kvpool_worker_reused_tokens_total", "Prompt tokens reused from this worker's own context.", _L)
 SIBLING_TOKENS = Counter(
-    "kvpool_worker_sibling_copied_tokens_total", "Prompt tokens copied from another sequence of the same context (`worker.siblings`).", _L
+    "kvpool_worker_sibling_copied_tokens_total",
+    "Prompt tokens copied from another sequence of the same context (`worker.cache.siblings`).",
+    _L,
 )
 RESTORED_TOKENS = Counter("kvpool_worker_restored_tokens_total", "Prompt tokens restored from the store.", _L)
 EVALUATED_TOKENS = Counter("kvpool_worker_evaluated_tokens_total", "Prompt tokens evaluated by the model.", _L)

@@ -15,7 +15,7 @@ per attempt) and ``n`` counts the writer's entries from 1 (`entry`, `Once`):
 The first token is written as soon as it is sampled. Tokens that follow it within
 ``KVPOOL_STREAM_INTERVAL_MS`` of the last write wait for the next write and go in one
 transaction, still one entry each, so a reader gets them in one reply
-(`worker.jobs.JobStream`). The stream is trimmed to a bounded length and expires a while
+(`worker.process.jobs.JobStream`). The stream is trimmed to a bounded length and expires a while
 after its last entry. A client that goes away sets ``kvpool:cancel:<job id>``; the worker
 checks it at every write and stops within that interval.
 
@@ -41,7 +41,7 @@ WORKER_QUEUE_PREFIX = "kvpool:worker:"
 ADVERTS_KEY = "kvpool:adverts"
 """Hash of worker name -> advert JSON (`worker.advert`)."""
 LEASE_PREFIX = "kvpool:lease:"
-"""``kvpool:lease:<chunk key hex>``: string, the name of the worker evaluating that chunk, expiring (`worker.leases`)."""
+"""``kvpool:lease:<chunk key hex>``: string, the name of the worker evaluating that chunk, expiring (`worker.cache.leases`)."""
 
 
 def stream_key(job_id: str) -> str:
@@ -59,7 +59,7 @@ class Once:
     * A writer's entries reach the stream in the order of their ``n``, so an entry whose ``n``
       is not above the last seen from its writer repeats one (a write retried after Redis
       applied it but lost its reply): `fresh` is False for it.
-    * Each attempt writes through a writer of its own (`worker.jobs.JobStream`) and starts
+    * Each attempt writes through a writer of its own (`worker.process.jobs.JobStream`) and starts
       with a start event. RQ may retry a job whose first attempt still runs (its heartbeat
       lapsed during a Redis pause), and then both write to the stream: `current` is False
       for any entry of a writer other than the one whose start came last, so a reader
@@ -152,7 +152,7 @@ class JobSpec(BaseModel):
         default_factory=list,
         max_length=8,
         description="Prompt positions where a chat message starts (the last one): where the next request most likely parts "
-        "from this one, so a worker whose model's state is stored whole saves a checkpoint there (`worker.checkpoints`).",
+        "from this one, so a worker whose model's state is stored whole saves a checkpoint there (`worker.cache.checkpoints`).",
     )
 
     def misfit(self, model: str, chunk_size: int, n_ctx: int, n_vocab: int) -> str | None:
@@ -228,7 +228,7 @@ class Timings(BaseModel):
     fetch_s: float = 0.0
     restore_s: float = 0.0
     lease_wait_s: float = 0.0
-    """Time spent waiting for another worker to publish a prefix of this prompt (`worker.leases`)."""
+    """Time spent waiting for another worker to publish a prefix of this prompt (`worker.cache.leases`)."""
     prompt_eval_s: float = 0.0
     first_token_s: float = 0.0
     total_s: float = 0.0
@@ -261,7 +261,7 @@ class JobResult(BaseModel):
     restore_choice: str | None = Field(
         None,
         description="What the worker did with what the store held past its context (restore, partial, evaluate, unmeasured,"
-        " small: `worker.restore_choice.Choice`); None when the store held nothing more.",
+        " small: `worker.cache.restore_choice.Choice`); None when the store held nothing more.",
     )
     stop_sequence: str | None = Field(None, description="The stop string that ended the first choice, if one did.")
     logprobs: list[float] | None = None

@@ -36,7 +36,7 @@ S3_SECRET_KEY = "kvpool-local-secret"
 
 
 SPAWNED_S = 60.0
-"""How long a spawned worker counts as starting before it announces itself (`worker.starting`): Python and llama.cpp load first."""
+"""How long a spawned worker counts as starting before it announces itself (`worker.process.starting`): Python and llama.cpp load first."""
 
 LISTEN_PORTS = (20000, 32768)
 """Where `free_port` looks: below Linux's default ephemeral range (32768-60999), which outgoing connections draw from."""

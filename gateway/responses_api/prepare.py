@@ -10,7 +10,7 @@ turn rendered *as a continuation*: the template renders a stand-in conversation 
 last assistant message is a sentinel, and everything after the sentinel is the new turn
 (for ChatML: ``<|im_end|>\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n``).
 So the prefix is the very tokens the pool evaluated and published (the worker publishes the
-answer's cells with them once the answer is out, `worker.engine.Engine.after_answer`), never a re-tokenization of the
+answer's cells with them once the answer is out, `worker.answering.Engine.after_answer`), never a re-tokenization of the
 answer's text that could differ from them. This holds while the previous response was
 made under the same *render key* (model, template, instructions, tools); when a follow-up
 changes its instructions or tools (instructions are not carried over, as in OpenAI's API),

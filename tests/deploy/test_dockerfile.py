@@ -157,7 +157,7 @@ def test_dockerignore_keeps_local_state_out() -> None:
     patterns = df.dockerignore_patterns()
     for path in (".git", ".kvpool/venv/bin/python", ".kvpool/wheels/x.whl", "deploy/.env", "tests/conftest.py", "store/__pycache__/x.pyc"):
         assert df.dockerignored(path, patterns), f".dockerignore lets {path} into the build context"
-    for path in ("pyproject.toml", "README.md", "store/store.py", "gateway/app.py", "worker/process.py", "deploy/patches/x.patch"):
+    for path in ("pyproject.toml", "README.md", "store/store.py", "gateway/app.py", "worker/process/main.py", "deploy/patches/x.patch"):
         assert not df.dockerignored(path, patterns), f".dockerignore excludes {path}"
 
 

@@ -182,7 +182,7 @@ def test_worker_probes_are_endpoints_of_the_worker_health_server(overlay) -> Non
     import urllib.error
     import urllib.request
 
-    from worker.health import Health, serve
+    from worker.process.health import Health, serve
 
     _, objects = overlay
     c = kube.container(kube.find(objects, "Deployment", "kvpool-worker"), "worker")

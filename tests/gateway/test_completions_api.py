@@ -11,7 +11,7 @@ import pytest
 
 from gateway.tokenizer import Tokenizer
 from tests.helpers import SMOL, THREADS, openai_client, prompt_text
-from worker.context import flash_attn_for
+from worker.engine.context import flash_attn_for
 
 CONTEXT = "Question: What is the capital of France?\nAnswer:"
 CONTINUATIONS = [" Paris", " London", " a big cheese"]

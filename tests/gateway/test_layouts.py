@@ -16,7 +16,7 @@ import redis
 
 from store.index import RedisIndex
 from tests.helpers import MODEL, POOL_CHUNK, PoolClient, openai_client, prompt_text, wait_settled
-from worker.namespace import namespace_for
+from worker.cache.namespace import namespace_for
 from worker.settings import WorkerSettings
 
 Q8 = {"KVPOOL_TYPE_K": "q8_0", "KVPOOL_TYPE_V": "q8_0", "KVPOOL_FLASH_ATTN": "true"}

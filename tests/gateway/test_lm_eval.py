@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import SMOL, THREADS, Tenancy, counter, openai_client
-from worker.context import flash_attn_for
+from worker.engine.context import flash_attn_for
 
 ROOT = Path(__file__).resolve().parents[2]
 TASK_DIR = Path(__file__).resolve().parent / "lm_eval_task"

@@ -4,7 +4,7 @@ In-process, on the real model (SmolLM2-135M-Instruct): one engine opens a contex
 sequences, as a worker with ``KVPOOL_PARALLEL=2`` does. A job on sequence 0 is stopped
 while its long prompt is being evaluated, in the ways a worker sees it:
 
-* its client leaves or cancels: the job's watch (`worker.jobs.JobStream.watch`, which
+* its client leaves or cancels: the job's watch (`worker.process.jobs.JobStream.watch`, which
   reads the cancel key) says so between prompt pieces;
 * RQ's job timeout raises in the job's thread: in a sequence's own thread (RQ's
   ``TimerDeathPenalty``) and in the main thread (SIGALRM, ``UnixSignalDeathPenalty``).
@@ -27,12 +27,12 @@ import pytest
 from rq.timeouts import JobTimeoutException, TimerDeathPenalty, UnixSignalDeathPenalty
 
 from tests.helpers import THREADS, cold_answer, prompt_text
-from worker.context import open_llama
-from worker.engine import Engine
+from worker.answering import Engine
+from worker.engine.context import open_llama
+from worker.engine.llama_state import last_logits
+from worker.engine.rounds import CallKind
 from worker.errors import JobAborted
-from worker.llama_state import last_logits
 from worker.protocol import JobResult, SamplingParams, TokenEvent, job_spec
-from worker.rounds import CallKind
 from worker.settings import WorkerSettings
 
 CHUNK = 64
@@ -101,7 +101,7 @@ def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[BaseExce
 
 
 def assert_retry_is_cold(engine: Engine, cold: llama_cpp.Llama, tokens: list[int]) -> None:
-    engine.forget_context()  # what `worker.jobs` does after a failed attempt
+    engine.forget_context()  # what `worker.process.jobs` does after a failed attempt
     logits, result = run(engine, tokens)
     ref_logits, ref_tokens = cold_answer(cold, tokens)
     assert np.array_equal(logits, ref_logits) and result.tokens == ref_tokens, (result.finish_reason, result.tokens, ref_tokens)

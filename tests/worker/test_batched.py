@@ -29,12 +29,12 @@ from gateway.pool.procs import RedisServer
 from gateway.pool.s3server import S3Server
 from store.store import Store
 from tests.helpers import THREADS, PoolClient, cold_answer, cold_generate, cold_greedy, prompt_text, s3_settings
+from worker.answering import Engine
+from worker.cache.kvchunks import cut_cells
 from worker.client import events
-from worker.context import open_llama
-from worker.decoding import DecodeMode
-from worker.engine import Engine
-from worker.kvchunks import cut_cells
-from worker.llama_state import evaluate_prompt, last_logits, read_seq_state
+from worker.engine.context import open_llama
+from worker.engine.decoding import DecodeMode
+from worker.engine.llama_state import evaluate_prompt, last_logits, read_seq_state
 from worker.protocol import DoneEvent, SamplingParams, StartEvent, TokenEvent, job_spec
 from worker.settings import WorkerSettings
 
@@ -217,7 +217,7 @@ def test_a_restore_into_one_sequence_while_three_decode(engines: list[Engine], c
 
 def test_two_sequences_sent_the_same_prompt_at_once_evaluate_it_once(engines: list[Engine], cold: llama_cpp.Llama) -> None:
     """Each sequence leases under its own name: one evaluates the prompt's chunks, the other waits for them and copies
-    them from its sibling's cells (`worker.siblings`).
+    them from its sibling's cells (`worker.cache.siblings`).
 
     It waits even when its own evaluation rate says evaluating here would be quicker (as
     it would be on another worker's cores): a sibling shares the batcher and the cores.
@@ -228,7 +228,7 @@ def test_two_sequences_sent_the_same_prompt_at_once_evaluate_it_once(engines: li
         e.forget_context()
     engines[0].eval_rate.tokens_per_s = 1e9  # shared by the sequences: evaluating here "takes no time"
     restores = [replace(e.finder.restore_rate) for e in engines[:2]]
-    for e in engines[:2]:  # and restoring less than none, so that the one that waited restores (worker.restore_choice)
+    for e in engines[:2]:  # and restoring less than none, so that the one that waited restores (worker.cache.restore_choice)
         e.finder.restore_rate.bytes_per_token, e.finder.restore_rate.bytes_per_s = 1.0, 1e12
     try:
         prompt = cold.tokenize(prompt_text(43, 300).encode())

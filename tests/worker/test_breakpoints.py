@@ -14,7 +14,7 @@ from store.chain import tail_key
 from store.index import RedisIndex
 from store.store import Store
 from tests.helpers import prompt_text
-from worker.engine import Engine
+from worker.answering import Engine
 from worker.protocol import Breakpoint, JobSpec, SamplingParams, TokenEvent, job_spec
 from worker.settings import WorkerSettings
 

@@ -25,9 +25,9 @@ from store.chain import Namespace
 from store.checkpoints import checkpoint_key, checkpoint_name
 from store.index import RedisIndex
 from tests.helpers import POOL_CHUNK, THREADS, PoolClient, cold_greedy, poll, prompt_text, s3_client
-from worker.checkpoints import STOPS_PER_DOUBLING, WINDOW_ALIGN, aligned, checkpoint_stops, spaced
-from worker.context import flash_attn_for
-from worker.namespace import namespace_for
+from worker.cache.checkpoints import STOPS_PER_DOUBLING, WINDOW_ALIGN, aligned, checkpoint_stops, spaced
+from worker.cache.namespace import namespace_for
+from worker.engine.context import flash_attn_for
 
 C = POOL_CHUNK
 

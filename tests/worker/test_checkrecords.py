@@ -1,6 +1,6 @@
 """Start-up checks are run once per model, library and layout on a machine, and again whenever one of them changes.
 
-Real models loaded in this process (`worker.loaded.LoadedModel`, as a worker loads its model);
+Real models loaded in this process (`worker.startup.loaded.LoadedModel`, as a worker loads its model);
 the records live in the test's own folder.
 """
 
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from worker.checkrecords import CheckRecords, library_digest, library_folder
-from worker.loaded import LoadedModel
 from worker.models.synth import ensure_model
-from worker.selfcheck import SelfCheck
 from worker.settings import WorkerSettings
+from worker.startup.checkrecords import CheckRecords, library_digest, library_folder
+from worker.startup.loaded import LoadedModel
+from worker.startup.selfcheck import SelfCheck
 
 
 def load(model: Path, records: Path, caplog: pytest.LogCaptureFixture) -> dict[str, logging.LogRecord]:

@@ -15,8 +15,8 @@ import pytest
 
 from gateway.tokenizer import Tokenizer
 from tests.helpers import THREADS, prompt_text
-from worker.engine import Engine
-from worker.llama_state import last_logits
+from worker.answering import Engine
+from worker.engine.llama_state import last_logits
 from worker.protocol import JobResult, SamplingParams, TokenEvent, job_spec
 from worker.settings import WorkerSettings
 

@@ -3,7 +3,7 @@
 A prompt is evaluated in batches of two or more tokens, which llama.cpp's CPU kernels
 compute the same whatever the split. A token decoded alone may take other kernels (the
 default build's sgemm refuses single rows). At start-up the worker measures which way of
-decoding keeps the cold bits on its build (`worker.decoding.choose_mode`): one token per
+decoding keeps the cold bits on its build (`worker.engine.decoding.choose_mode`): one token per
 step, or each token decoded again together with the next (a two-token batch). Where
 neither does, it says so and settles completions as before.
 
@@ -22,11 +22,11 @@ import pytest
 from store import chain
 from store.chain import prefix_chain
 from tests.helpers import THREADS, prompt_text
-from worker.context import open_llama
-from worker.decoding import DecodeMode, choose_mode, decoded_logits
-from worker.engine import Engine
-from worker.kvchunks import cut_cells
-from worker.llama_state import evaluate_all_logits, evaluate_prompt, last_logits, read_seq_state
+from worker.answering import Engine
+from worker.cache.kvchunks import cut_cells
+from worker.engine.context import open_llama
+from worker.engine.decoding import DecodeMode, choose_mode, decoded_logits
+from worker.engine.llama_state import evaluate_all_logits, evaluate_prompt, last_logits, read_seq_state
 from worker.protocol import SamplingParams, TokenEvent, job_spec
 from worker.settings import WorkerSettings
 
@@ -79,7 +79,7 @@ def test_a_rows_logits_are_the_same_bits_whether_one_row_or_many_are_computed(ll
 
 @pytest.fixture(scope="module")
 def gemma3_llm(gemma3: Path) -> Iterator[llama_cpp.Llama]:
-    # flash attention off, as workers open a sliding-window model (`worker.context.flash_attn_for`)
+    # flash attention off, as workers open a sliding-window model (`worker.engine.context.flash_attn_for`)
     made = open_llama(gemma3, flash_attn=False, n_ctx=1024, n_threads=THREADS, n_threads_batch=THREADS)
     yield made
     made.close()

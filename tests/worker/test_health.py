@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from gateway.pool.procs import RedisServer, WorkerProcess, free_port
-from worker.health import Health, self_check_outcome
+from worker.process.health import Health, self_check_outcome
 
 
 def get(port: int, path: str) -> tuple[int, str]:

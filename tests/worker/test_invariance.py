@@ -25,8 +25,8 @@ from gateway.pool.s3server import S3Server
 from store.chain import tail_key
 from store.store import Store
 from tests.helpers import THREADS, s3_settings
-from worker.engine import Engine
-from worker.llama_state import batch_sizes, last_logits
+from worker.answering import Engine
+from worker.engine.llama_state import batch_sizes, last_logits
 from worker.protocol import SamplingParams, TokenEvent, job_spec
 from worker.settings import WorkerSettings
 
@@ -144,7 +144,7 @@ def test_a_resent_prompt_is_answered_alike(runners: dict[str, Runner], document:
 
 
 def test_the_next_turn_resumes_after_the_completion_with_the_same_bits(runners: dict[str, Runner], document: list[int]) -> None:
-    """Generated tokens were decoded exactly (`worker.decoding`); published with the prompt, they serve the next turn, on any worker."""
+    """Generated tokens were decoded exactly (`worker.engine.decoding`); published with the prompt, they serve the next turn, on any worker."""
     reuse, restore = runners["reuse"], runners["restore"]
     first = reuse.ask(document[:300])
     turn = document[:300] + first.tokens + document[300:340]

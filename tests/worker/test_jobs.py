@@ -14,7 +14,7 @@ from gateway.streams import StreamReader
 from tests.helpers import poll
 from tests.redis_faults import ReplyLosingProxy
 from worker.client import events
-from worker.jobs import JobStream
+from worker.process.jobs import JobStream
 from worker.protocol import DoneEvent, JobResult, StartEvent, Timings, TokenEvent, Usage, cancel_key, stream_key
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import llama_cpp
 import pytest
 
+from worker.cache.namespace import SHARED_KERNELS, namespace_for
 from worker.kernels import Backend, KernelFingerprint, fingerprint_of, library_fingerprint, parse_system_info, read_switches
-from worker.namespace import SHARED_KERNELS, namespace_for
 from worker.settings import WorkerSettings
 
 AVX512 = (

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import THREADS
-from worker.kvchunks import cut_cells, cut_state, describe_payload, join_state
-from worker.kvstate import (
+from worker.cache.kvchunks import cut_cells, cut_state, describe_payload, join_state
+from worker.engine.kvstate import (
     GGML_TYPE_F16,
     GGML_TYPE_F32,
     GGML_TYPE_Q8_0,
@@ -28,7 +28,7 @@ from worker.kvstate import (
     describe_state,
     state_cell_count,
 )
-from worker.llama_state import read_seq_state
+from worker.engine.llama_state import read_seq_state
 
 F16_LAYERS = (
     LayerFormat(GGML_TYPE_F16, 16, GGML_TYPE_F16, 24),
@@ -308,7 +308,7 @@ TOKENS = [1] + np.random.default_rng(7).integers(3, 2048, 199).tolist()
 @pytest.fixture(scope="module")
 def native_blobs(tiny_model: Path) -> dict[tuple[str, bool], dict[int, bytes]]:
     """Native blobs of several prefix lengths, per (cache type, flash attention)."""
-    from worker.context import open_llama
+    from worker.engine.context import open_llama
 
     blobs: dict[tuple[str, bool], dict[int, bytes]] = {}
     for cache, fa in [("f16", False), ("f16", True), ("q8_0", True)]:

@@ -20,10 +20,10 @@ from store.backends.fs import FsBackend
 from store.index import RedisIndex
 from store.store import Store
 from tests.helpers import POOL_CHUNK, PoolClient, prompt_text
-from worker.engine import Engine
+from worker.answering import Engine
+from worker.cache.leases import EvalRate, Leases, leased_by_others
+from worker.cache.namespace import namespace_for
 from worker.errors import JobAborted
-from worker.leases import EvalRate, Leases, leased_by_others
-from worker.namespace import namespace_for
 from worker.protocol import SamplingParams, job_spec, lease_key
 from worker.settings import WorkerSettings
 

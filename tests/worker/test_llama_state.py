@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 
 from tests.helpers import THREADS
-from worker.context import open_llama
-from worker.kvcache import cache_type_id, context_cache
-from worker.kvchunks import cut_state, join_state
-from worker.kvstate import StateFormatError, describe_state
-from worker.llama_state import StateRestoreError, read_seq_state, restore_seq_state
+from worker.cache.kvchunks import cut_state, join_state
+from worker.engine.context import open_llama
+from worker.engine.kvcache import cache_type_id, context_cache
+from worker.engine.kvstate import StateFormatError, describe_state
+from worker.engine.llama_state import StateRestoreError, read_seq_state, restore_seq_state
 
 CONFIGS = [("f16", False), ("f16", True), ("q8_0", True)]
 CONFIG_IDS = ["f16-noFA", "f16-FA", "q8_0-FA"]

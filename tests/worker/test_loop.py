@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from tests.helpers import poll
-from worker.context import Context
-from worker.loop import EngineLoop
-from worker.rounds import Request
-from worker.sequence import SeqView
+from worker.engine.context import Context
+from worker.engine.loop import EngineLoop
+from worker.engine.rounds import Request
+from worker.engine.sequence import SeqView
 from worker.settings import WorkerSettings
 
 

@@ -25,7 +25,7 @@ from gateway.pool.procs import free_port
 from store.store import Store
 from tests.helpers import POOL_CHUNK, THREADS, PoolClient, cold_greedy, prompt_text, wait_settled
 from worker.advert import adverts
-from worker.context import flash_attn_for
+from worker.engine.context import flash_attn_for
 
 pytestmark = pytest.mark.fp_path  # answers are compared bit for bit
 

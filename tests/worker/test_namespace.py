@@ -2,7 +2,7 @@
 
 import pytest
 
-from worker.namespace import cache_format, namespace_for
+from worker.cache.namespace import cache_format, namespace_for
 from worker.settings import WorkerSettings
 
 

@@ -13,8 +13,8 @@ from gateway.pool.s3server import S3Server
 from store.blob import BlobName
 from store.index import RedisIndex
 from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, poll, prompt_text, s3_client, s3_settings
+from worker.cache.namespace import namespace_for
 from worker.client import cancel
-from worker.namespace import namespace_for
 
 C = POOL_CHUNK
 

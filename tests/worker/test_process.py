@@ -191,7 +191,7 @@ def test_sigterm_with_a_job_running_on_one_of_four_sequences_exits_within_10_s_o
 
 
 def test_a_starting_worker_announces_itself_until_its_first_advert(pool_env, tmp_path: Path) -> None:
-    """A gateway tells a pool still loading its workers from one whose workers died by these announcements (`worker.starting`)."""
+    """A gateway tells a pool still loading its workers from one whose workers died by these announcements (`worker.process.starting`)."""
     w = WorkerProcess("w1", pool_env, tmp_path / "w1.log").spawn()
     assert w.proc is not None
     try:

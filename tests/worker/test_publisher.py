@@ -17,12 +17,12 @@ from store.index import RedisIndex
 from store.store import Store
 from tests.helpers import prompt_text
 from worker import engine as engine_module
-from worker import llama_state
-from worker.engine import Engine
-from worker.kvchunks import cut_state
-from worker.kvstate import describe_state
+from worker.answering import Engine
+from worker.cache.kvchunks import cut_state
+from worker.cache.publisher import Publisher
+from worker.engine import llama_state
+from worker.engine.kvstate import describe_state
 from worker.protocol import SamplingParams, job_spec
-from worker.publisher import Publisher
 from worker.settings import WorkerSettings
 
 NS = Namespace("fp", CacheFormat.of("f16", "f16", False), chunk_size=4)

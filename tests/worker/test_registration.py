@@ -10,8 +10,8 @@ import redis
 from rq import Queue
 
 from worker.client import submit
+from worker.process.registration import rescue_orphaned_queues
 from worker.protocol import JobSpec, worker_queue
-from worker.registration import rescue_orphaned_queues
 
 SHARED = "kvpool"
 

@@ -19,10 +19,10 @@ from prometheus_client import REGISTRY
 from gateway.pool.s3server import S3Server
 from store.store import Store
 from tests.worker.test_invariance import Answer, Runner, _settings
-from worker.engine import Engine
-from worker.leases import EvalRate
+from worker.answering import Engine
+from worker.cache.leases import EvalRate
+from worker.cache.restore_choice import Choice, Option, RestoreRate, choose
 from worker.protocol import lease_key
-from worker.restore_choice import Choice, Option, RestoreRate, choose
 
 pytestmark = pytest.mark.fp_path  # answers are compared with a cold run, bit for bit
 

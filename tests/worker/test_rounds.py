@@ -9,7 +9,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.rounds import CallKind, Request, call_kinds, fillers, plan_round
+from worker.engine.rounds import CallKind, Request, call_kinds, fillers, plan_round
 
 
 def _steps(size: int, seqs: range) -> list[Request]:

@@ -12,7 +12,7 @@ from gateway.pool.s3server import S3Server
 from store.store import Store
 from tests.helpers import POOL_CHUNK, PoolClient, cold_greedy, poll, prompt_text, s3_settings
 from tests.worker.test_pool import wait_published
-from worker.namespace import namespace_for
+from worker.cache.namespace import namespace_for
 
 pytestmark = pytest.mark.fp_path  # answers are compared with a cold run, token for token
 

@@ -5,9 +5,9 @@ from dataclasses import replace
 import pytest
 
 from tests.helpers import THREADS
-from worker.context import open_llama
-from worker.kvcache import context_cache
-from worker.selfcheck import check_restore
+from worker.engine.context import open_llama
+from worker.engine.kvcache import context_cache
+from worker.startup.selfcheck import check_restore
 
 
 @pytest.mark.parametrize("flash_attn,cache", [(False, "f16"), (True, "f16"), (True, "q8_0")], ids=["f16", "f16-flash", "q8_0-flash"])

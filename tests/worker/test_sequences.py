@@ -1,7 +1,7 @@
 """How many sequences a worker serves by default: 4 where the model's cache keeps one cell per token, 1 where it is checkpointed.
 
 ``KVPOOL_PARALLEL`` = 0, the default, is resolved for the model from its header
-(`worker.context.sequences_for`): a model whose cache keeps one cell per token gets four
+(`worker.engine.context.sequences_for`): a model whose cache keeps one cell per token gets four
 sequences, as llama-server gets four slots, so one worker serves four requests at once;
 sliding-window, recurrent and hybrid models keep one, which their whole-state
 checkpoints need. A worker's adverts say what it chose, so whoever started it knows its
@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers import PoolClient, prompt_text
 from worker.advert import adverts
-from worker.context import AUTO_SEQUENCES, flash_attn_for, sequences_for
+from worker.engine.context import AUTO_SEQUENCES, flash_attn_for, sequences_for
 
 
 def test_a_model_with_one_cell_per_token_gets_four_sequences_and_a_checkpointed_one_gets_one(

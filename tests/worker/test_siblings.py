@@ -4,7 +4,7 @@ In-process, on the real model (SmolLM2-135M-Instruct): one engine opens a contex
 sequences with a store (S3 over HTTP, a Redis of the module's own), as a worker with
 ``KVPOOL_PARALLEL=2`` does. Sequence 0 answers a prompt, and the store holds it; then
 sequence 1, which holds nothing, is asked the prompt plus a question, while sequence 0
-still generates. It copies the prefix from sequence 0's cells (`worker.siblings`): none
+still generates. It copies the prefix from sequence 0's cells (`worker.cache.siblings`): none
 of it comes from the store and none is evaluated again, and its answer is a cold
 evaluation's, bit for bit, whether the copy is llama.cpp's stream copy (the build
 ``deploy/setup.sh`` makes has what applies it at once) or goes through host memory (a
@@ -27,13 +27,14 @@ from gateway.pool.procs import RedisServer
 from gateway.pool.s3server import S3Server
 from store.store import Store
 from tests.helpers import THREADS, cold_answer, poll, prompt_text, s3_settings
-from worker import metrics, siblings
-from worker.context import open_llama
-from worker.engine import Engine
-from worker.kvstate import describe_state
-from worker.llama_state import last_logits, read_ctx_state, write_ctx_state
+from worker import metrics
+from worker.answering import Engine
+from worker.cache import siblings
+from worker.engine.context import open_llama
+from worker.engine.kvstate import describe_state
+from worker.engine.llama_state import last_logits, read_ctx_state, write_ctx_state
+from worker.engine.sequence import SeqView, restream, single_stream
 from worker.protocol import JobResult, SamplingParams, TokenEvent, job_spec
-from worker.sequence import SeqView, restream, single_stream
 from worker.settings import WorkerSettings
 
 CHUNK = 64

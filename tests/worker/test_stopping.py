@@ -14,11 +14,11 @@ import redis
 from rq.exceptions import DequeueTimeout, StopRequested
 from rq.job import Job
 
-from worker import jobs
 from worker.client import submit
-from worker.process import KvpoolWorker
+from worker.process import jobs
+from worker.process.main import KvpoolWorker
+from worker.process.stopping import StopAwareQueue, client_name, wake
 from worker.protocol import JobSpec
-from worker.stopping import StopAwareQueue, client_name, wake
 
 SHARED = "kvpool"
 

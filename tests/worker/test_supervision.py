@@ -23,7 +23,7 @@ import os, sys
 import worker.cpus
 worker.cpus.quiet_openmp()  # what `kvpool worker` does first, before llama_cpp is loaded
 worker.cpus.quiet_openmp = lambda: None
-import worker.loop as b
+import worker.engine.loop as b
 plan, trigger = b.plan_round, os.environ["KVPOOL_TEST_BREAK_LOOP_ON"]
 def breaking(*a, **k):
     if os.path.exists(trigger):

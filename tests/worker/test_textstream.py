@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.textstream import TextStream
+from worker.engine.textstream import TextStream
 
 
 class Pieces:

@@ -12,8 +12,8 @@ import pytest
 
 from gateway.pool.procs import WorkerProcess
 from gateway.pool.up import default_workers
+from worker.answering import Engine
 from worker.cpus import SPINCOUNT, WAIT_VARIABLES, available_cpus, cgroup_cpu_quota, quiet_openmp
-from worker.engine import Engine
 from worker.settings import WorkerSettings
 
 

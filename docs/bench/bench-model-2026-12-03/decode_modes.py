@@ -17,9 +17,9 @@ os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 import numpy as np  # noqa: E402
 
-from worker.context import open_llama  # noqa: E402
-from worker.decoding import DecodeMode, decode_step, decoded_logits  # noqa: E402
-from worker.llama_state import evaluate_prompt  # noqa: E402
+from worker.engine.context import open_llama  # noqa: E402
+from worker.engine.decoding import DecodeMode, decode_step, decoded_logits  # noqa: E402
+from worker.engine.llama_state import evaluate_prompt  # noqa: E402
 
 MODEL = ".kvpool/models/kvpool-bench-s0.gguf"
 STEPS = 24

@@ -8,9 +8,9 @@ import time
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 import numpy as np
 
-from worker.context import open_llama
-from worker.decoding import DecodeMode, decode_step
-from worker.llama_state import evaluate_prompt
+from worker.engine.context import open_llama
+from worker.engine.decoding import DecodeMode, decode_step
+from worker.engine.llama_state import evaluate_prompt
 
 n_seq_prompt = int(sys.argv[1])
 llm = open_llama(".kvpool/models/SmolLM2-135M-Instruct.Q4_1.gguf", n_ctx=2048, n_threads=2, n_threads_batch=2, flash_attn=False)

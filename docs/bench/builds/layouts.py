@@ -20,9 +20,9 @@ os.environ.setdefault("GOMP_SPINCOUNT", "1000")  # as a worker sets it (worker.c
 import llama_cpp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from worker.context import open_llama  # noqa: E402
-from worker.decoding import DecodeMode, choose_mode, decode_step  # noqa: E402
-from worker.llama_state import evaluate_prompt  # noqa: E402
+from worker.engine.context import open_llama  # noqa: E402
+from worker.engine.decoding import DecodeMode, choose_mode, decode_step  # noqa: E402
+from worker.engine.llama_state import evaluate_prompt  # noqa: E402
 
 MODEL = ".kvpool/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 LAYOUTS = {

@@ -19,9 +19,9 @@ os.environ.setdefault("GOMP_SPINCOUNT", "1000")  # as a worker sets it (worker.c
 import llama_cpp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from worker.context import open_llama  # noqa: E402
-from worker.decoding import DecodeMode, choose_mode, decode_step, decoded_logits  # noqa: E402
-from worker.llama_state import evaluate_prompt  # noqa: E402
+from worker.engine.context import open_llama  # noqa: E402
+from worker.engine.decoding import DecodeMode, choose_mode, decode_step, decoded_logits  # noqa: E402
+from worker.engine.llama_state import evaluate_prompt  # noqa: E402
 
 
 def main(model: str, label: str, n_prompt: int, steps: int) -> dict:

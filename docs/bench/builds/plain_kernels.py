@@ -33,8 +33,8 @@ if sys.argv[2] == "norepack":
     L.llama_cpp.llama_model_default_params = noextra
 from layouts import speeds  # noqa: E402  (this folder: run as a script)
 
-from worker.context import open_llama  # noqa: E402
-from worker.decoding import choose_mode  # noqa: E402
+from worker.engine.context import open_llama  # noqa: E402
+from worker.engine.decoding import choose_mode  # noqa: E402
 
 m = sys.argv[1]
 llm = open_llama(m, n_ctx=2048, n_threads=2, n_threads_batch=2, flash_attn=False)

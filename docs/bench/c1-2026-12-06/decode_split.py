@@ -5,10 +5,10 @@ A 300-token random prompt, then 256 greedy one-token steps, 2 threads,
 
 * ``plain-fa0`` / ``plain-fa1``: llama-cpp-python's ``Llama`` with flash attention off / on
   (llama-server's default is on), ``llama_decode`` and an argmax in a tight loop;
-* ``context``: the worker's context (`worker.context.Context`, P = 1 or 4), the same tight
+* ``context``: the worker's context (`worker.engine.context.Context`, P = 1 or 4), the same tight
   loop run as one task of the engine loop (the thread that owns the context);
 * ``loop``: the same context, each step submitted by another thread through the loop
-  (`worker.decoding.decode_step`), as a job does.
+  (`worker.engine.decoding.decode_step`), as a job does.
 
     python docs/bench/c1-2026-12-06/decode_split.py MODEL.gguf [ROUNDS]
 """
@@ -47,9 +47,9 @@ def case(model, name, parallel):
         llm = llama_cpp.Llama(model, n_ctx=4096, n_threads=2, n_threads_batch=2, flash_attn=name.endswith("1"), verbose=False)
         llm.eval(prompt)
         return tight(llama_cpp, np, llm, PROMPT)
-    from worker.context import Context
-    from worker.decoding import choose_mode, decode_step
-    from worker.llama_state import evaluate_prompt, last_logits
+    from worker.engine.context import Context
+    from worker.engine.decoding import choose_mode, decode_step
+    from worker.engine.llama_state import evaluate_prompt, last_logits
     from worker.settings import WorkerSettings
 
     context = Context(WorkerSettings(model=model, parallel=parallel, n_ctx=4096, n_threads=2), Path(model))

@@ -1,9 +1,9 @@
 """What publishing costs the worker: the copy of a sequence's whole state, and cutting the new chunks from it.
 
 For prompts of 600, 2,100 and 4,000 random tokens: the state read
-(``worker.llama_state.read_ctx_state`` into a reused buffer, as `worker.publisher.Publisher.buffer`
+(``worker.engine.llama_state.read_ctx_state`` into a reused buffer, as `worker.cache.publisher.Publisher.buffer`
 gives the engine), median of 5, and the CPU of cutting 1, 2 and 8 chunks of 256 tokens
-and the tail past the last full chunk from it (``worker.kvchunks.cut_state`` / ``cut_cells``, the publisher
+and the tail past the last full chunk from it (``worker.cache.kvchunks.cut_state`` / ``cut_cells``, the publisher
 thread's work), median of 7.
 
     python docs/bench/c1-2026-12-06/publish_cost.py MODEL.gguf
@@ -18,8 +18,8 @@ import llama_cpp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from worker.kvchunks import cut_cells, cut_state  # noqa: E402
-from worker.llama_state import read_ctx_state  # noqa: E402
+from worker.cache.kvchunks import cut_cells, cut_state  # noqa: E402
+from worker.engine.llama_state import read_ctx_state  # noqa: E402
 
 C = 256
 

@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 import store.checkpoints
-import worker.engine
+import worker.answering
 from gateway.pool.procs import RedisServer
 from store.store import Store
 from tests.helpers import prompt_text
-from worker.engine import Engine
+from worker.answering import Engine
 from worker.protocol import SamplingParams, job_spec
 from worker.settings import WorkerSettings
 
@@ -33,8 +33,8 @@ out_dir.mkdir(parents=True, exist_ok=True)
 
 
 def every_boundary(start: int, n: int, chunk_size: int, every: int, n_swa: int = 0, hints: list[int] | tuple[int, ...] = ()) -> list[int]:
-    """The spacing before: every ``every``-th boundary (as `worker.checkpoints.checkpoint_stops` did), hints and the end."""
-    from worker.checkpoints import WINDOW_ALIGN, aligned
+    """The spacing before: every ``every``-th boundary (as `worker.cache.checkpoints.checkpoint_stops` did), hints and the end."""
+    from worker.cache.checkpoints import WINDOW_ALIGN, aligned
 
     c = chunk_size
     stops = {d * c for d in range(start // c + 1, (n - 2) // c + 1) if d % every == 0 and aligned(d * c, n_swa)}
@@ -46,7 +46,7 @@ def every_boundary(start: int, n: int, chunk_size: int, every: int, n_swa: int =
 
 
 if policy == "before":
-    worker.engine.checkpoint_stops = every_boundary  # type: ignore[assignment]
+    worker.answering.checkpoint_stops = every_boundary  # type: ignore[assignment]
     store.checkpoints.Checkpoints.supersede = lambda self, *a: 0  # type: ignore[method-assign]
 
 with tempfile.TemporaryDirectory(dir="/tmp") as tmp, RedisServer(Path(tmp) / "redis") as rs:

@@ -8,9 +8,9 @@ import sys
 import llama_cpp
 import numpy as np
 
-from worker.checkpoints import restore_checkpoint
-from worker.decoding import choose_mode, decode_step
-from worker.llama_state import evaluate_prompt, last_logits, read_seq_state
+from worker.cache.checkpoints import restore_checkpoint
+from worker.engine.decoding import choose_mode, decode_step
+from worker.engine.llama_state import evaluate_prompt, last_logits, read_seq_state
 
 llm = llama_cpp.Llama(sys.argv[1], n_ctx=4096, n_threads=2, verbose=False, flash_attn=False)
 mode, why = choose_mode(llm, "auto")

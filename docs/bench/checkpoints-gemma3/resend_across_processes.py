@@ -12,8 +12,8 @@ from gateway.pool.s3server import S3Server
 from store.checkpoints import checkpoint_key
 from store.index import RedisIndex
 from tests.helpers import PoolClient, env_for_pool, prompt_text, s3_settings
-from worker.checkpoints import checkpoint_stops
-from worker.namespace import namespace_for
+from worker.cache.checkpoints import checkpoint_stops
+from worker.cache.namespace import namespace_for
 
 CHUNK = 32
 EVERY = 8

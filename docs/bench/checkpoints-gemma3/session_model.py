@@ -1,7 +1,7 @@
 """The bytes a session leaves in the store, replayed from checkpoint sizes measured on Gemma 3 270M (`agent_session.py`).
 
 Each turn resumes from the previous turn's last checkpoint and stores what
-`worker.checkpoints.checkpoint_stops` (or, for ``before``, every boundary) picks past it;
+`worker.cache.checkpoints.checkpoint_stops` (or, for ``before``, every boundary) picks past it;
 ``spaced`` also drops the conversation's tails before where it resumed, as
 `store.checkpoints.Checkpoints.supersede` does. A checkpoint's size is the measured one,
 fitted as a line in its position (the window is full past 512 tokens, and the global
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from worker.checkpoints import WINDOW_ALIGN, aligned, checkpoint_stops
+from worker.cache.checkpoints import WINDOW_ALIGN, aligned, checkpoint_stops
 
 CHUNK, N_SWA = 256, 512
 

@@ -5,9 +5,9 @@ import sys
 import llama_cpp
 import numpy as np
 
-from worker.checkpoints import restore_checkpoint
-from worker.llama_state import evaluate_prompt, last_logits, read_seq_state
-from worker.selfcheck import check_checkpoint
+from worker.cache.checkpoints import restore_checkpoint
+from worker.engine.llama_state import evaluate_prompt, last_logits, read_seq_state
+from worker.startup.selfcheck import check_checkpoint
 
 full = sys.argv[2] == "1"
 llm = llama_cpp.Llama(sys.argv[1], n_ctx=4096, n_threads=2, verbose=False, flash_attn=False, swa_full=full)

@@ -24,7 +24,7 @@ def case(model, steps):
     import llama_cpp
     import numpy as np
 
-    from worker.llama_state import read_ctx_state
+    from worker.engine.llama_state import read_ctx_state
 
     llm = llama_cpp.Llama(model, n_ctx=2048, n_threads=2, n_threads_batch=2, flash_attn=True, verbose=False, n_batch=512, n_ubatch=512)
     rng = np.random.default_rng(1)

@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import llama_cpp
 
-from worker.engine import Engine
+from worker.answering import Engine
 from worker.protocol import SamplingParams, job_spec
 from worker.settings import WorkerSettings
 

@@ -1,8 +1,8 @@
 """What a job's copy for publishing costs, the whole sequence against the cells of the chunks the store lacks.
 
 For prompts of 600, 2,100 and 4,000 random tokens, the copy the engine makes before handing a
-state to the publisher (``worker.llama_state.read_ctx_state`` into a reused buffer, as
-`worker.publisher.Publisher.buffer` gives it): every cell (``start=0``, what a build without
+state to the publisher (``worker.engine.llama_state.read_ctx_state`` into a reused buffer, as
+`worker.cache.publisher.Publisher.buffer` gives it): every cell (``start=0``, what a build without
 deploy/patches/state-window.patch copies), against the cells from the last full chunk but one
 (``start=(n // 256 - 1) * 256``: a turn that added a chunk and a tail, as a chat's next turn
 does). Rounds interleave the two; median of 9 each.
@@ -19,7 +19,7 @@ import llama_cpp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from worker.llama_state import read_ctx_state  # noqa: E402
+from worker.engine.llama_state import read_ctx_state  # noqa: E402
 
 C = 256
 

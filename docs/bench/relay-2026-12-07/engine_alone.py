@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from worker.engine import Engine  # noqa: E402
+from worker.answering import Engine  # noqa: E402
 from worker.protocol import SamplingParams, job_spec  # noqa: E402
 from worker.settings import WorkerSettings  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Steps of sequences apart, with and without fillers, through the engine loop itself (`worker.loop.EngineLoop`).
+"""Steps of sequences apart, with and without fillers, through the engine loop itself (`worker.engine.loop.EngineLoop`).
 
 Four sequences of one context hold a 300-token prompt each; the sequences of each set
 decode 24 one-token steps at once, one thread each (as a worker's jobs do). Printed: wall
@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
-from worker.context import Context  # noqa: E402
+from worker.engine.context import Context  # noqa: E402
 from worker.settings import WorkerSettings  # noqa: E402
 
 STEPS, PROMPT = 24, 300

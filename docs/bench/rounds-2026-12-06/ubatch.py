@@ -10,7 +10,7 @@ import numpy as np
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
 from batch import fill, new_batch  # noqa: E402
 
-from worker.context import open_llama
+from worker.engine.context import open_llama
 
 model, n_threads = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2
 llm = open_llama(model, flash_attn=False, n_ctx=2048, n_batch=512, n_threads=n_threads, n_threads_batch=n_threads, n_seq=4)

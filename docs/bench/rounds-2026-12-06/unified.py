@@ -10,7 +10,7 @@ import numpy as np
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
 from batch import fill, new_batch  # noqa: E402
 
-from worker.context import open_llama
+from worker.engine.context import open_llama
 
 model = sys.argv[1]
 

@@ -4,7 +4,7 @@ Run from the repository root: ``.kvpool/venv/bin/python docs/bench/siblings/meas
 One worker context of two sequences (SmolLM2-135M-Instruct, f16 KV, 2 threads), a
 folder store on local disk and a Redis of its own. For each prompt length, sequence 0
 evaluates the prompt and publishes it; then sequence 1 is asked the prompt plus a few
-tokens three ways: copying from sequence 0 (`worker.siblings`), restoring from the store
+tokens three ways: copying from sequence 0 (`worker.cache.siblings`), restoring from the store
 (sequence 0's cells forgotten first), and cold (no store, nothing held). Printed: the
 job's time to its first token and where its prompt came from, one JSON line each.
 """
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from gateway.pool.procs import RedisServer  # noqa: E402
 from store.store import Store  # noqa: E402
 from tests.helpers import prompt_text  # noqa: E402
-from worker.engine import Engine  # noqa: E402
+from worker.answering import Engine  # noqa: E402
 from worker.models.packaged import DEFAULT_MODEL, ensure_packaged  # noqa: E402
 from worker.protocol import SamplingParams, job_spec  # noqa: E402
 from worker.settings import PoolSettings, WorkerSettings  # noqa: E402

@@ -16,11 +16,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import llama_cpp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from worker.context import Context  # noqa: E402
-from worker.llama_state import clear_seq, evaluate_prompt, last_logits, read_ctx_state, write_ctx_state  # noqa: E402
-from worker.sequence import restream  # noqa: E402
+from worker.cache.siblings import copy_stream  # noqa: E402
+from worker.engine.context import Context  # noqa: E402
+from worker.engine.llama_state import clear_seq, evaluate_prompt, last_logits, read_ctx_state, write_ctx_state  # noqa: E402
+from worker.engine.sequence import restream  # noqa: E402
 from worker.settings import WorkerSettings  # noqa: E402
-from worker.siblings import copy_stream  # noqa: E402
 
 
 def main() -> None:

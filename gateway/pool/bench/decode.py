@@ -1,6 +1,6 @@
 """``kvpool bench-decode``: decode tokens/s of one worker context at 1, 4, 16 ... sequences, and whether it stays exact.
 
-For each sequence count P the model is loaded as a worker loads it (`worker.context.Context`,
+For each sequence count P the model is loaded as a worker loads it (`worker.engine.context.Context`,
 ``KVPOOL_PARALLEL`` = P, ``n_gpu_layers`` as given), the start-up checks run on it (restore
 and decode mode), and P threads, one per sequence, each evaluate a prompt of their own
 and decode ``tokens`` greedy tokens in the mode the check chose, through the engine loop, as
@@ -30,8 +30,8 @@ T = TypeVar("T")
 
 
 def _answer(view: Any, prompt: list[int], n: int, mode: Any) -> list[int]:
-    from worker.decoding import decode_step
-    from worker.llama_state import evaluate_prompt, last_logits
+    from worker.engine.decoding import decode_step
+    from worker.engine.llama_state import evaluate_prompt, last_logits
 
     view.reset()
     evaluate_prompt(view, prompt, 0)
@@ -45,11 +45,11 @@ def _answer(view: Any, prompt: list[int], n: int, mode: Any) -> list[int]:
 
 def measure(model: Path, parallel: int, *, threads: int, tokens: int, n_gpu_layers: int, seed: int = 0) -> dict[str, Any]:
     """One sequence count: its checks, tokens/s with every sequence decoding, and the answers."""
-    from worker.context import Context
-    from worker.decoding import choose_mode
-    from worker.kvcache import context_cache
-    from worker.selfcheck import check_restore
+    from worker.engine.context import Context
+    from worker.engine.decoding import choose_mode
+    from worker.engine.kvcache import context_cache
     from worker.settings import WorkerSettings
+    from worker.startup.selfcheck import check_restore
 
     settings = WorkerSettings(model=str(model), parallel=parallel, n_ctx=512, n_threads=threads, n_gpu_layers=n_gpu_layers)
     context = Context(settings, model)
@@ -101,8 +101,8 @@ def isolated(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 def agreement(runs: list[dict[str, Any]], model: Path, *, threads: int, tokens: int, n_gpu_layers: int) -> list[dict[str, Any]]:
     """The runs, each with how many of its answers equal the same prompts decoded alone (one sequence per context)."""
-    from worker.context import Context
-    from worker.decoding import choose_mode
+    from worker.engine.context import Context
+    from worker.engine.decoding import choose_mode
     from worker.settings import WorkerSettings
 
     context = Context(WorkerSettings(model=str(model), n_ctx=512, n_threads=threads, n_gpu_layers=n_gpu_layers), model)
@@ -124,9 +124,9 @@ def stalls(model: Path, *, threads: int, prefill_chunk: int, prompt_tokens: int 
     then restores that prompt's state into sequence 2 (a task of the engine loop, between rounds). Returns
     sequence 0's gaps between tokens: before, during the prompt and during the restore.
     """
-    from worker.context import Context
-    from worker.decoding import choose_mode, decode_step
-    from worker.llama_state import evaluate_prompt, last_logits, read_seq_state, restore_seq_state
+    from worker.engine.context import Context
+    from worker.engine.decoding import choose_mode, decode_step
+    from worker.engine.llama_state import evaluate_prompt, last_logits, read_seq_state, restore_seq_state
     from worker.settings import WorkerSettings
 
     settings = WorkerSettings(model=str(model), parallel=3, n_ctx=prompt_tokens + 256, n_threads=threads, prefill_chunk=prefill_chunk)

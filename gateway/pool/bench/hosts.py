@@ -6,7 +6,7 @@
 the time to first token evaluated cold, publishes the prompt at ``--publish-rate`` (a
 slow link need not carry the uploads: a worker there restores what faster hosts
 published), then at each ``--rate`` measures it restored (the chooser made to restore
-whatever it finds) and as the worker chooses by its own estimates (`worker.restore_choice`,
+whatever it finds) and as the worker chooses by its own estimates (`worker.cache.restore_choice`,
 taught by the two runs before), and prints one JSON line per length and rate.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import click
 
 from store.store import Store
-from worker.engine import Engine
+from worker.answering import Engine
 from worker.protocol import SamplingParams, job_spec
 from worker.settings import WorkerSettings
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from gateway.pool.bench.systems import SAMPLING, Sample, _loadavg
 from gateway.pool.bench.workloads import Request
-from worker.context import open_llama
+from worker.engine.context import open_llama
 
 
 class InProcessModel:

@@ -27,7 +27,7 @@ from store.chain import Namespace
 from store.errors import StoreError
 from store.index import RedisIndex
 from store.settings import StoreSettings
-from worker.kvcache import ContextCache
+from worker.engine.kvcache import ContextCache
 
 RAW_PREFIX = "bench-raw/"
 

@@ -26,7 +26,7 @@ import click
 
 from gateway.pool.procs import RedisServer
 from store.store import Store
-from worker.engine import Engine
+from worker.answering import Engine
 from worker.protocol import JobResult, JobSpec, SamplingParams, TokenEvent, job_spec
 from worker.settings import WorkerSettings
 

@@ -47,8 +47,8 @@ from gateway.pool.bench.workloads import (
     build,
 )
 from gateway.pool.procs import WorkerProcess
-from worker.kvcache import context_cache
-from worker.namespace import namespace_for
+from worker.cache.namespace import namespace_for
+from worker.engine.kvcache import context_cache
 
 
 def prepare(run: ModelRun, seed: int, max_foreign_load: float | None = None) -> Prepared:

@@ -35,8 +35,8 @@ from gateway.pool.bench.workloads import Request
 from store.chain import BlobKey
 from store.fingerprint import fingerprint_file
 from store.index import RedisIndex
+from worker.cache.namespace import namespace_for
 from worker.client import events, submit
-from worker.namespace import namespace_for
 from worker.protocol import (
     DoneEvent,
     ErrorEvent,

@@ -160,7 +160,7 @@ def test_changing_the_first_token_changes_the_final_logits(llm: llama_cpp.Llama)
 
 def test_tiny_swa_is_a_sliding_window_model_whose_prefix_matters(tmp_path_factory: pytest.TempPathFactory) -> None:
     """120-token prompts run far past its 32-token window: only its global layer sees the first token."""
-    from worker.kvcache import context_cache
+    from worker.engine.kvcache import context_cache
 
     path = ensure_model("tiny-swa", tmp_path_factory.mktemp("models"))
     swa = llama_cpp.Llama(str(path), n_ctx=512, n_threads=1, verbose=False)
@@ -172,7 +172,7 @@ def test_tiny_swa_is_a_sliding_window_model_whose_prefix_matters(tmp_path_factor
 
 
 def test_tiny_ssm_is_a_recurrent_model_whose_prefix_matters(tmp_path_factory: pytest.TempPathFactory) -> None:
-    from worker.kvcache import context_cache
+    from worker.engine.kvcache import context_cache
 
     path = ensure_model("tiny-ssm", tmp_path_factory.mktemp("models"))
     ssm = llama_cpp.Llama(str(path), n_ctx=512, n_threads=1, verbose=False)
@@ -184,7 +184,7 @@ def test_tiny_ssm_is_a_recurrent_model_whose_prefix_matters(tmp_path_factory: py
 
 
 def test_tiny_hybrid_is_a_jamba_model_of_mamba_and_attention_layers_whose_prefix_matters(tmp_path_factory: pytest.TempPathFactory) -> None:
-    from worker.kvcache import context_cache
+    from worker.engine.kvcache import context_cache
 
     path = ensure_model("tiny-hybrid", tmp_path_factory.mktemp("models"))
     hybrid = llama_cpp.Llama(str(path), n_ctx=512, n_threads=1, verbose=False)

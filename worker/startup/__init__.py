@@ -1,0 +1,1 @@
+"""A worker's start: the model loaded once and its start-up checks, remembered."""
