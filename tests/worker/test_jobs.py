@@ -14,7 +14,7 @@ from gateway.streams import StreamReader
 from tests.helpers import poll
 from tests.redis_faults import ReplyLosingProxy
 from worker.client import events
-from worker.process.jobs import JobStream
+from worker.process.jobs import Emitter, JobStream
 from worker.protocol import DoneEvent, JobResult, StartEvent, Timings, TokenEvent, Usage, cancel_key, stream_key
 
 
@@ -150,3 +150,27 @@ def test_a_write_redis_ran_but_never_answered_is_retried_and_read_once(redis_url
     assert [type(e).__name__ for e in got] == ["StartEvent", "TokenEvent", "TokenEvent", "DoneEvent"]
     assert [e.text for e in got if isinstance(e, TokenEvent)] == ["a", "b"]
     assert asyncio.run(_atexts(redis.asyncio.Redis.from_url(redis_url), "unanswered")) == ["a", "b"], "the gateway's reader too"
+
+
+def test_an_emitter_whose_thread_dies_is_reported_and_the_next_token_gets_a_new_one(redis_url: str) -> None:
+    """The emitter is supervised as the engine loop is: a death stops the worker (`worker.process.supervision`), never silently."""
+    conn = redis.Redis.from_url(redis_url)
+    died: list[tuple[str, BaseException]] = []
+    emitter = Emitter.shared()
+    real_write, real_hook = Emitter._write, Emitter.on_death
+
+    def broken(self: Emitter, streams: list[JobStream]) -> None:
+        raise RuntimeError("a bug in the emitter")
+
+    Emitter.on_death = lambda name, error: died.append((name, error))
+    Emitter._write = broken  # type: ignore[method-assign]
+    try:
+        stream = JobStream(conn, "emitter-dies", ttl_s=60)
+        stream.send(TokenEvent(text="a", token=1))
+        poll(lambda: not emitter.thread.is_alive(), "the emitter's thread ended")
+        assert [(name, str(error)) for name, error in died] == [("kvpool-emitter", "a bug in the emitter")]
+    finally:
+        Emitter._write, Emitter.on_death = real_write, real_hook  # type: ignore[method-assign]
+    stream.send(TokenEvent(text="b", token=2))
+    assert Emitter.shared() is not emitter and Emitter.shared().thread.is_alive(), "a new emitter for the tokens that follow"
+    poll(lambda: _texts(conn, "emitter-dies") == ["a", "b"], "both tokens written, in order, by the new emitter")

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -195,12 +196,14 @@ class Emitter:
 
     _shared: Emitter | None = None
     _lock = threading.Lock()
+    on_death: Callable[[str, BaseException], None] | None = None
+    """Told when an emitter's thread dies (`worker.process.supervision`): the worker process stops, as when any of its threads dies."""
 
     @classmethod
     def shared(cls) -> Emitter:
-        """The process's emitter (a forked child gets one of its own: its parent's thread is not in it)."""
+        """The process's emitter (a forked child gets one of its own: its parent's thread is not in it; so does a process whose emitter died)."""
         with cls._lock:
-            if cls._shared is None or cls._shared.pid != os.getpid():
+            if cls._shared is None or cls._shared.pid != os.getpid() or not cls._shared.thread.is_alive():
                 cls._shared = Emitter()
             return cls._shared
 
@@ -210,12 +213,21 @@ class Emitter:
         self._dirty: set[JobStream] = set()
         self.writes = 0
         """Pipelines written (for tests and the A/B of the token path)."""
-        threading.Thread(target=self._run, name="kvpool-emitter", daemon=True).start()
+        self.thread = threading.Thread(target=self._supervised, name="kvpool-emitter", daemon=True)
+        self.thread.start()
 
     def wake(self, stream: JobStream) -> None:
         with self._cv:
             self._dirty.add(stream)
             self._cv.notify()
+
+    def _supervised(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # never silent: the tokens of every job would wait for its next event
+            log.exception("emitter.died")
+            if Emitter.on_death is not None:
+                Emitter.on_death("kvpool-emitter", e)
 
     def _run(self) -> None:
         while True:

@@ -112,6 +112,7 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
         return
     supervisor = Supervisor(on_death=lambda thread: _stop_for_good(health, thread))
     engines[0].loaded.context.loop.on_death = supervisor.died
+    jobs.Emitter.on_death = supervisor.died
     others = [
         supervisor.thread(partial(_serve, settings, w, e, None, burst), f"kvpool-{w.name}")
         for w, e in zip(workers[1:], engines[1:], strict=True)
