@@ -149,6 +149,8 @@ class EngineLoop:
             while not done.wait(WAIT_S):
                 if watch is not None and (why := watch()) is not None:
                     raise JobAborted(why)
+                if not self._thread.is_alive() and not done.is_set():  # died holding a chain between two steps
+                    raise LoopClosed("the engine loop's thread died")
         except BaseException:
             with self._cv:
                 req.abandoned = True
