@@ -16,7 +16,7 @@ from store.chain import CacheFormat, Namespace
 from store.index import RedisIndex
 from store.store import Store
 from tests.helpers import prompt_text
-from worker import engine as engine_module
+from worker import answering as engine_module
 from worker.answering import Engine
 from worker.cache.kvchunks import cut_state
 from worker.cache.publisher import Publisher
