@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 from gateway.pool import envfile
-from gateway.pool.bench import glance_chart
+from gateway.pool.bench import glance, glance_chart
 from gateway.pool.docs import PAGES, render
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -113,16 +113,20 @@ def test_the_docs_check_fails_when_the_table_and_the_report_part_ways(tmp_path: 
     shutil.copy(README, tmp_path / "README.md")
     args = ["--readme", str(tmp_path / "README.md"), "--deploy", str(tmp_path / "deploy"), "--check"]
     assert CliRunner().invoke(docs_command, args).exit_code == 0
-    report = tmp_path / "docs/bench/defaults-2026-12-07/smollm2-c4/peers.json"
+    four = glance.newest(tmp_path / "docs" / "bench", 4)  # the report the table's four-client column comes from
+    report = four.folder / "peers.json"
     doc = json.loads(report.read_text())
-    doc["runs"][0]["wall_s"] += 1.0  # llama-server 4 slots' W1, one second slower
+    w1 = next(r for r in doc["runs"] if r["system"] == glance.SERVER[4] and r["workload"] == "W1" and r["concurrency"] == 4)
+    w1["wall_s"] += 1.0  # llama-server 4 slots' W1, one second slower
     report.write_text(json.dumps(doc))
     check = CliRunner().invoke(docs_command, args)
     assert check.exit_code == 1 and "README.md" in check.output and "glance.png" in check.output
     assert CliRunner().invoke(docs_command, args[:-1]).exit_code == 0  # `kvpool docs` writes the table and the chart anew
-    assert "26.67 s" in performance_section((tmp_path / "README.md").read_text())
+    assert f"{w1['wall_s']:.2f} s" in performance_section((tmp_path / "README.md").read_text())
     drawn = glance_chart.drawn_from(tmp_path / glance_chart.NAME)
-    assert drawn is not None and drawn["speed"][0] == ["W1", 0.88, 2.49]  # 26.67 s over 10.69 s
+    kvpool_w1 = four.run("kvpool", "W1", 4)
+    assert kvpool_w1 is not None and drawn is not None
+    assert drawn["speed"][0][0] == "W1" and drawn["speed"][0][2] == round(w1["wall_s"] / kvpool_w1["wall_s"], 2)
     assert CliRunner().invoke(docs_command, args).exit_code == 0
 
 
