@@ -180,10 +180,7 @@ class Engine:
             scored = self._evaluate(spec, ns, tokens, keys, plan.start)
             self.eval_rate.observe(len(tokens) - plan.start, time.perf_counter() - t_eval)
             self.held.hold(spec.tenant_salt, len(tokens))
-            try:
-                outs = self._generate(spec, emit, lambda: self._publish_or_defer(spec, ns, tokens, keys, plan))
-            finally:
-                self._done_generating()
+            outs = self._generate(spec, emit, lambda: self._publish_or_defer(spec, ns, tokens, keys, plan))
             out = outs[0]
             if self.decode.exact:  # the context holds the last choice's cells, each what a cold evaluation holds
                 self.held.exact_upto = self.llm.n_tokens
@@ -347,7 +344,6 @@ class Engine:
         if self.decode.exact and self._pending is not None:
             (ns, tokens, keys, generated), self._pending = self._pending, None
             held = answer_held(self.llm, tokens, generated)
-            self._done_generating()
             if held is not None:  # the prompt's full chunks went out with its first token, or the store held them
                 deferred = (ns, held, ns.extend(keys, held), len(tokens) // ns.chunk_size * ns.chunk_size) if self.publishes_cells else None
         if deferred is None or self.publisher is None:
@@ -355,10 +351,6 @@ class Engine:
         ns, tokens, keys, start = deferred
         if (snap := self._snapshot(start)) is not None:
             self.publisher.submit(ns, tokens, keys, snap[0], recycle=True, first=snap[1])
-
-    def _done_generating(self) -> None:
-        """The loop need not wait for this sequence's next step."""
-        self.llm.done_generating()
 
     def _snapshot(self, start: int) -> tuple[Buffer, int] | None:
         """A copy of the sequence's cells for publishing, into one of the publisher's buffers, and the position it begins at;

@@ -83,12 +83,6 @@ class WorkerSettings(PoolSettings):
         description="With KVPOOL_PARALLEL > 1: prompt tokens evaluated per round while other sequences generate, so a long "
         "prompt delays their next token by one such piece at most (alone, a prompt takes KVPOOL_N_BATCH per round).",
     )
-    gather_ms: float = Field(
-        10.0,
-        ge=0,
-        le=1000,
-        description="With KVPOOL_PARALLEL > 1: how long a round waits for the sequences that just stepped to ask for their next step.",
-    )
     n_gpu_layers: int = Field(0, description="Layers offloaded to a GPU, when llama.cpp was built with one.")
     flash_attn: bool | None = Field(
         None,

@@ -111,7 +111,6 @@ class Context:
             self.llm,
             n_ubatch=int(self.llm.context_params.n_ubatch),
             prefill_chunk=settings.prefill_chunk,
-            gather_s=settings.gather_ms / 1000,
         )
 
     def sequence(self, seq: int) -> SeqView:

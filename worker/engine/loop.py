@@ -29,12 +29,8 @@ its steps the loop itself samples the next token, sends it to the job's stream a
 the step that decodes it, all before the next round (`_advance`), as llama-server's
 ``update_slots`` samples each slot after its ``llama_decode``. A job's thread wakes once a
 choice, when it ends, not once a token; the sequence's records (tokens held, logits)
-change with its cells, on this thread.
-
-**Gathering.** A sequence stepped by its job's thread (the settling of an answer) asks for
-its next step itself, so after a round the loop waits up to ``gather_s`` for each such
-sequence, so that the sequences keep decoding together; a sequence that takes longer is
-not waited for again until it steps again. A chain's next step is queued at once.
+change with its cells, on this thread. Since a chain's next step is queued before the
+next round, the sequences that generate keep decoding together with no wait between rounds.
 """
 
 from __future__ import annotations
@@ -80,16 +76,14 @@ class Task(Generic[T]):
 
 
 class EngineLoop:
-    def __init__(self, llm: llama_cpp.Llama, *, n_ubatch: int, prefill_chunk: int, gather_s: float = 0.01) -> None:
+    def __init__(self, llm: llama_cpp.Llama, *, n_ubatch: int, prefill_chunk: int) -> None:
         self.llm = llm
         self.n_vocab = llm.n_vocab()
         self.n_ubatch = n_ubatch
         self.prefill_chunk = max(4, prefill_chunk)
-        self.gather_s = gather_s
         self._cv = threading.Condition()
         self._queue: list[Request] = []
         self._tasks: list[Task[Any]] = []
-        self._expected: set[int] = set()
         self._closed = False
         self._batch: Any = llama_cpp.llama_batch_init(n_ubatch, 0, 1)
         self.on_death: Callable[[str, BaseException], None] | None = None
@@ -100,8 +94,6 @@ class EngineLoop:
         """Requests dropped because their job stopped waiting."""
         self.idle_s = 0.0
         """Time spent with no work at all (every sequence idle or busy outside the loop)."""
-        self.gathered_s = 0.0
-        """Time spent, with work waiting, waiting for the sequences stepped last round (``gather_s`` at most a round)."""
         self.step_cost: StepCost | None = None
         """Measured cost of steps by how many consecutive sequences hold them (`measure_steps`): where set, gaps get fillers."""
         self.filled = 0
@@ -171,12 +163,6 @@ class EngineLoop:
             raise task.error
         return task.result  # type: ignore[return-value]
 
-    def idle(self, seq: int) -> None:
-        """``seq`` stopped generating: the next round does not wait for it."""
-        with self._cv:
-            self._expected.discard(seq)
-            self._cv.notify_all()
-
     def decoding(self, seq: int) -> bool:
         """Whether a decode request of sequence ``seq`` is in the loop now (for tests)."""
         with self._cv:
@@ -206,7 +192,6 @@ class EngineLoop:
                 "rounds": self.rounds,
                 "dropped": self.dropped,
                 "idle_s": round(self.idle_s, 3),
-                "gathered_s": round(self.gathered_s, 3),
                 "filled": self.filled,
                 **{f"{k}_{f}": v for k, t in sorted(self.totals.items()) for f, v in t.fields().items()},
             },
@@ -256,7 +241,7 @@ class EngineLoop:
         return True
 
     def _wait_for_work(self) -> bool:
-        """Wait for a request or a task, then up to ``gather_s`` for the sequences stepped last round; False once closed."""
+        """Wait for a request or a task; False once closed."""
         idle_from = time.monotonic()
         while not self._queue and not self._tasks and not self._closed:
             self._cv.wait()
@@ -264,16 +249,7 @@ class EngineLoop:
         if self._closed:
             self._fail_all(LoopClosed("the worker is stopping"))
             return False
-        start = time.monotonic()
-        deadline = start + self.gather_s
-        while self._missing() and (left := deadline - time.monotonic()) > 0:
-            self._cv.wait(left)
-        self.gathered_s += time.monotonic() - start
-        self._expected -= self._missing()  # late this round: not waited for again until it steps again
         return True
-
-    def _missing(self) -> set[int]:
-        return self._expected - {r.seq for r in self._queue} - {t.seq for t in self._tasks}
 
     def _fail_all(self, error: BaseException) -> None:
         """Every request, chain and task waiting gets ``error``; the caller holds ``_cv``."""
@@ -289,7 +265,6 @@ class EngineLoop:
         gone = [r for r in self._queue if r.dropped]
         for r in gone:
             self._queue.remove(r)
-            self._expected.discard(r.seq)
             r.finished.set()
             if r.chain is not None:
                 r.chain.finished.set()
@@ -320,8 +295,6 @@ class EngineLoop:
                     self._queue.remove(req)
                     if req.chain is not None:
                         chained.append(req)
-                    elif req.is_step and req.error is None:
-                        self._expected.add(req.seq)
         self._cv.notify_all()
         return chained
 

@@ -175,9 +175,6 @@ class SeqView:
         finally:
             self.watch = None
 
-    def done_generating(self) -> None:
-        self.loop.idle(self.seq)
-
     def positions(self) -> tuple[int, int]:
         """The first and last position of this sequence's cells (-1, -1 when none)."""
 

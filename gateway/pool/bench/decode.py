@@ -30,17 +30,21 @@ T = TypeVar("T")
 
 
 def _answer(view: Any, prompt: list[int], n: int, mode: Any) -> list[int]:
-    from worker.engine.decoding import decode_step
+    """``n`` greedy tokens after ``prompt``, generated as a job generates them: sampled and stepped by the engine loop."""
+    from worker.engine.decoding import step_tokens
     from worker.engine.llama_state import evaluate_prompt, last_logits
 
     view.reset()
     evaluate_prompt(view, prompt, 0)
-    out: list[int] = []
-    while len(out) < n:
+    out = [int(np.argmax(last_logits(view)))]
+
+    def next_step() -> tuple[list[int], int] | None:
         out.append(int(np.argmax(last_logits(view))))
-        if len(out) < n:
-            decode_step(view, out[-1], mode)
-    return out
+        return step_tokens(view, out[-1], mode) if len(out) < n else None
+
+    if n > 1:
+        view.generate(*step_tokens(view, out[-1], mode), next_step)
+    return out[:n]
 
 
 def measure(model: Path, parallel: int, *, threads: int, tokens: int, n_gpu_layers: int, seed: int = 0) -> dict[str, Any]:
@@ -159,7 +163,6 @@ def stalls(model: Path, *, threads: int, prefill_chunk: int, prompt_tokens: int 
             last = now
             if i == 10:
                 started.set()
-        view.done_generating()
         t.join()
     finally:
         context.close()
