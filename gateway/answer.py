@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from gateway import metrics
 from gateway.errors import APIError, WorkerFailed, to_api_error
 from gateway.prepare import Prepared
-from gateway.relay import relay
+from gateway.relay import relay, relay_reads
 from gateway.responses import StreamChunks, chat_body, completion_body, merged_extra, sum_usage
 from gateway.sse import DONE, EventStream, event
 from gateway.state import Gateway
@@ -131,17 +131,18 @@ async def sse(gw: Gateway, request: Request, jobs: list[Submitted], include_usag
             )
             if (head := chunks.first()) is not None:
                 yield event(head)
-            events = relay(gw.relay_context(request, p, job.job_id, t0, endpoint))
+            reads = relay_reads(gw.relay_context(request, p, job.job_id, t0, endpoint))
             try:
-                async for ev in events:
-                    for chunk in chunks.token(ev) if isinstance(ev, TokenEvent) else chunks.last(ev):
-                        yield event(chunk)
-                    if isinstance(ev, JobResult):
+                async for got in reads:
+                    if isinstance(got, JobResult):
+                        yield b"".join(event(chunk) for chunk in chunks.last(got))
                         job.done = True
-                        results.append(ev)
+                        results.append(got)
+                    elif frames := b"".join(event(chunk) for t in got for chunk in chunks.token(t)):
+                        yield frames  # the tokens of one read in one write to the socket
             finally:
                 with anyio.CancelScope(shield=True):
-                    await events.aclose()
+                    await reads.aclose()
         if include_usage and chunks is not None:
             yield event(chunks.usage(results))
     except (APIError, redis.RedisError) as exc:  # the status line is sent: the error goes in the stream

@@ -52,7 +52,7 @@ from gateway.prepare import Prepared
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway
 from gateway.tenants import Tenant
-from worker.client import RUNNING, job_key, job_status, parse_event
+from worker.client import RUNNING, entry_events, job_key, job_status
 from worker.protocol import DoneEvent, ErrorEvent, StartEvent, cancel_key, stream_key
 from worker.redis_retry import aride_out
 
@@ -157,9 +157,9 @@ async def replayable(aredis: redis.asyncio.Redis[bytes], job_ids: list[str]) -> 
 def _readable(first: list[Any], last: list[Any], running: bool) -> bool:
     if not last:  # not started yet, or its stream expired
         return running
-    if not isinstance(parse_event(first[0][1]), StartEvent):  # trimmed: its first tokens are gone
+    if not isinstance(entry_events(first[0][1])[0], StartEvent):  # trimmed: its first tokens are gone
         return False
-    event = parse_event(last[0][1])
+    event = entry_events(last[0][1])[-1]
     if isinstance(event, DoneEvent):
         return event.result.finish_reason != "cancelled"
     if isinstance(event, ErrorEvent) and not event.retrying:

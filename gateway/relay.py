@@ -1,7 +1,7 @@
 """Relaying one job's events to its HTTP client, whatever happens to the client, the worker or Redis.
 
 `relay` yields the job's token events (each once, even when a retried attempt replays
-them) and then its `JobResult`, or raises an `APIError` that names the failure. Every
+them) and then its `JobResult` (`relay_reads` the tokens of each read of the stream together), or raises an `APIError` that names the failure. Every
 `CHECK_S` seconds, and whenever the stream is quiet, it checks:
 
 * the deadline: past it, the job is cancelled and the client gets a 504;
@@ -20,6 +20,7 @@ entry seen. The events come from the gateway's one reader of job streams (`gatew
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -34,7 +35,7 @@ from gateway import metrics
 from gateway.errors import Timeout, WorkerFailed
 from gateway.streams import StreamReader
 from worker.advert import ais_live
-from worker.client import arequeue_stranded, job_key
+from worker.client import Event, arequeue_stranded, job_key
 from worker.protocol import DoneEvent, ErrorEvent, JobResult, StartEvent, TokenEvent, cancel_key
 
 log = logging.getLogger("kvpool.gateway")
@@ -59,54 +60,81 @@ class RelayContext:
 
 
 @dataclass
-class _Attempt:
+class _Progress:
+    """What the client was given: tokens by position, whichever attempt wrote them, and the attempt now writing."""
+
     worker: str | None = None
-    tokens: int = 0
+    attempt_tokens: int = 0
+    """Tokens of the latest attempt (a retried attempt replays the positions the client already has)."""
+    emitted: int = 0
+
+    def take(self, batch: list[Event], ctx: RelayContext) -> tuple[list[TokenEvent], DoneEvent | ErrorEvent | None]:
+        """The tokens of ``batch`` new to the client, and the job's last event if the batch holds it."""
+        fresh: list[TokenEvent] = []
+        for ev in batch:
+            if isinstance(ev, StartEvent):
+                self.worker, self.attempt_tokens = ev.worker, 0
+            elif isinstance(ev, TokenEvent):
+                self.attempt_tokens += 1
+                if self.attempt_tokens > self.emitted:
+                    self.emitted += 1
+                    if self.emitted == 1:
+                        metrics.FIRST_TOKEN.labels(ctx.endpoint).observe(time.perf_counter() - ctx.t0)
+                    fresh.append(ev)
+            elif isinstance(ev, DoneEvent) or (isinstance(ev, ErrorEvent) and not ev.retrying):
+                return fresh, ev
+        return fresh, None
 
 
 async def relay(ctx: RelayContext) -> AsyncGenerator[TokenEvent | JobResult]:
-    attempt = _Attempt()
-    emitted = 0
+    """`relay_reads`, a token at a time."""
+    async with contextlib.aclosing(relay_reads(ctx)) as reads:
+        async for item in reads:
+            if isinstance(item, JobResult):
+                yield item
+            else:
+                for token in item:
+                    yield token
+
+
+async def relay_reads(ctx: RelayContext) -> AsyncGenerator[list[TokenEvent] | JobResult]:
+    """The job's new tokens of each read of its stream (a streamed response sends them in one write), then its result."""
+    progress = _Progress()
     next_check = time.monotonic() + CHECK_S
     finished = False
     try:
-        async for ev in ctx.reader.events(ctx.job_id):
-            if time.perf_counter() > ctx.t0 + ctx.timeout_s:
-                metrics.CANCELLED.labels("timeout").inc()
-                raise Timeout(f"no answer within {ctx.timeout_s:.0f} s; the job was cancelled", code="timeout")
-            if ev is None or time.monotonic() > next_check:
-                next_check = time.monotonic() + CHECK_S
-                await _check(ctx, attempt)
-            if isinstance(ev, StartEvent):
-                attempt = _Attempt(worker=ev.worker)
-            elif isinstance(ev, TokenEvent):
-                attempt.tokens += 1
-                if attempt.tokens > emitted:  # a retried attempt replays tokens the client already has
-                    emitted += 1
-                    if emitted == 1:
-                        metrics.FIRST_TOKEN.labels(ctx.endpoint).observe(time.perf_counter() - ctx.t0)
-                    yield ev
-            elif isinstance(ev, ErrorEvent) and not ev.retrying:
-                raise WorkerFailed(f"the worker failed: {ev.error}", code="worker_error")
-            elif isinstance(ev, DoneEvent):
-                _count_done(ev.result, ctx)
-                finished = True
-                yield ev.result
-                return
+        async with contextlib.aclosing(ctx.reader.batches(ctx.job_id)) as batches:
+            async for batch in batches:
+                if time.perf_counter() > ctx.t0 + ctx.timeout_s:
+                    metrics.CANCELLED.labels("timeout").inc()
+                    raise Timeout(f"no answer within {ctx.timeout_s:.0f} s; the job was cancelled", code="timeout")
+                if batch is None or time.monotonic() > next_check:
+                    next_check = time.monotonic() + CHECK_S
+                    await _check(ctx, progress.worker)
+                fresh, last = progress.take(batch or [], ctx)
+                if fresh:
+                    yield fresh
+                if isinstance(last, ErrorEvent):
+                    raise WorkerFailed(f"the worker failed: {last.error}", code="worker_error")
+                if isinstance(last, DoneEvent):
+                    _count_done(last.result, ctx)
+                    finished = True
+                    yield last.result
+                    return
     finally:
         if not finished:
             with anyio.CancelScope(shield=True):
                 await _cancel(ctx)
 
 
-async def _check(ctx: RelayContext, attempt: _Attempt) -> None:
+async def _check(ctx: RelayContext, worker: str | None) -> None:
     if await ctx.request.is_disconnected():
         metrics.CANCELLED.labels("client_gone").inc()
         raise asyncio.CancelledError
     try:
-        if attempt.worker is not None and not await ais_live(ctx.aredis, attempt.worker):
+        if worker is not None and not await ais_live(ctx.aredis, worker):
             if not await ctx.any_worker_alive():
-                raise WorkerFailed(f"worker {attempt.worker} died while answering and no other worker is alive", code="worker_lost")
+                raise WorkerFailed(f"worker {worker} died while answering and no other worker is alive", code="worker_lost")
         if not await ctx.aredis.exists(job_key(ctx.job_id)):
             log.warning("job.lost", extra={"job": ctx.job_id, "reason": "Redis no longer holds it; submitting it again"})
             metrics.RESUBMITTED.labels("redis_lost").inc()

@@ -9,8 +9,8 @@ subscribers whose streams they came from. A request that subscribes while the re
 blocked cancels that read (redis-py drops its connection), so the next read includes its
 stream at once; nothing is lost, since a stream is read again from the last entry given.
 
-`StreamReader.events` gives a subscriber its job's events (each once,
-only the latest attempt's: `worker.client.take_event`), ``None`` after every ``block_ms``
+`StreamReader.batches` gives a subscriber its job's events, those of one read together (each once,
+only the latest attempt's: `worker.client.take_events`), ``None`` after every ``block_ms``
 in which nothing came (the relay's checks run then), and ``None`` while Redis is away,
 reading resuming where it stopped once Redis is back. Token events, the bulk of a stream,
 are built without validation (`worker.client.parse_event`).
@@ -21,13 +21,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio
 
-from worker.client import READ_BACKOFF_CAP_S, Event, final_event, take_event
+from worker.client import READ_BACKOFF_CAP_S, Event, final_event, take_events
 from worker.protocol import Once, stream_key
 from worker.redis_retry import RETRIED, backoff
 
@@ -56,27 +56,38 @@ class StreamReader:
         self.reads = 0
         """XREAD calls made (for tests and the A/B of the token path)."""
 
-    async def events(self, job_id: str) -> AsyncIterator[Event | None]:
-        """The job's events from its stream's start until a final one, ``None`` whenever ``block_ms`` passed without one."""
+    async def batches(self, job_id: str) -> AsyncGenerator[list[Event] | None]:
+        """The job's events from its stream's start until a final one, a list per read; ``None`` whenever ``block_ms`` passed without one."""
         sub = self._subscribe(stream_key(job_id).encode())
         try:
             while True:
                 try:
-                    batch = await asyncio.wait_for(sub.inbox.get(), self.block_ms / 1000)
+                    async with asyncio.timeout(self.block_ms / 1000):
+                        batch = await sub.inbox.get()
                 except TimeoutError:
                     batch = None
                 if batch is None:
                     yield None
                     continue
-                for fields in batch:
-                    event = take_event(sub.once, fields)
-                    if event is None:
-                        continue
-                    yield event
-                    if final_event(event):
-                        return
+                events = [e for fields in batch for e in take_events(sub.once, fields)]
+                end = next((i for i, e in enumerate(events) if final_event(e)), None)
+                if end is not None:
+                    yield events[: end + 1]
+                    return
+                if events:
+                    yield events
         finally:
             self._unsubscribe(sub)
+
+    async def events(self, job_id: str) -> AsyncGenerator[Event | None]:
+        """`batches`, an event at a time."""
+        async with contextlib.aclosing(self.batches(job_id)) as batches:
+            async for batch in batches:
+                if batch is None:
+                    yield None
+                    continue
+                for event in batch:
+                    yield event
 
     async def close(self) -> None:
         self._closing = True
@@ -113,7 +124,7 @@ class StreamReader:
                 await self._changed.wait()
                 continue
             streams = {key: min(s.last for s in subs) for key, subs in self._subs.items()}
-            self._read = asyncio.ensure_future(self.aredis.xread(streams, count=256, block=self.block_ms))
+            self._read = asyncio.ensure_future(self._xread(streams))
             try:
                 reply = await self._read
             except asyncio.CancelledError:
@@ -130,6 +141,10 @@ class StreamReader:
             self.reads += 1
             failures = 0
             self._hand_out(reply or [])
+
+    async def _xread(self, streams: dict[bytes, bytes]) -> Any:
+        """The read, made when its task starts: one cancelled before it starts (a subscriber came) leaves no command unawaited."""
+        return await self.aredis.xread(streams, count=256, block=self.block_ms)
 
     def _hand_out(self, reply: list[Any]) -> None:
         for key, entries in reply:

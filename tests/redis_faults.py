@@ -9,7 +9,7 @@ from gateway.pool.procs import free_port
 
 
 class ReplyLosingProxy:
-    """A TCP proxy in front of a real Redis that can drop the connection after Redis ran a transaction but before its reply reaches the client.
+    """A TCP proxy in front of a real Redis that can drop the connection after Redis ran a write but before its reply reaches the client.
 
     That is what a client sees of a Redis shut down (SIGTERM) between running a write and
     writing its reply: the write is applied, and persisted, and the client gets a
@@ -21,7 +21,9 @@ class ReplyLosingProxy:
         self.port = free_port()
         self.armed = threading.Event()
         self.only_with = b""
-        """Lose the reply only of a transaction whose commands contain these bytes (a command's name)."""
+        """Lose the reply only of a write whose commands contain these bytes (a command's name)."""
+        self.pipelines = False
+        """Lose the reply of a pipeline (sent in one piece, answered in one piece), not only a transaction's."""
         self.lost = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", self.port))
         threading.Thread(target=self._accept, daemon=True).start()
@@ -39,7 +41,7 @@ class ReplyLosingProxy:
 
     def _requests(self, client: socket.socket, upstream: socket.socket, swallow: threading.Event) -> None:
         while data := _recv(client):
-            if self.armed.is_set() and b"EXEC\r\n" in data and self.only_with in data:
+            if self.armed.is_set() and (self.pipelines or b"EXEC\r\n" in data) and self.only_with in data:
                 self.armed.clear()
                 swallow.set()
             upstream.sendall(data)
@@ -52,7 +54,7 @@ class ReplyLosingProxy:
                 client.sendall(data)
                 continue
             seen += data
-            if b"QUEUED\r\n*" in seen:  # EXEC's reply: the transaction ran
+            if self.pipelines or b"QUEUED\r\n*" in seen:  # a pipeline's replies (Redis runs what one read brought, then replies), or EXEC's
                 _hang_up(client)
                 _hang_up(upstream)
                 self.lost.set()

@@ -44,13 +44,12 @@ from worker.cache.checkpoints import checkpoint_stops, evaluate_saving
 from worker.cache.held import Held
 from worker.cache.leases import Leases
 from worker.cache.prefix import Plan, PrefixFinder
-from worker.engine.decoding import answer_held, step_tokens
+from worker.engine.decoding import answer_held, settle, step_tokens
 from worker.engine.kvstate import Buffer
 from worker.engine.llama_state import evaluate_prompt, read_seq_state, readable_from
 from worker.engine.sampling import Output, job_result, sample_choices
 from worker.engine.scoring import score_prompt
 from worker.engine.sequence import SeqView
-from worker.engine.settle import settle
 from worker.errors import JobRejected
 from worker.protocol import Breakpoint, JobResult, JobSpec, Timings, TokenEvent, Usage
 from worker.settings import WorkerSettings
@@ -270,7 +269,7 @@ class Engine:
 
     def settle(self, job_waiting: Callable[[], bool]) -> None:
         """Without exact decoding: once the answer is out and the worker idles, evaluate the completion as prompt
-        (`worker.engine.settle`) and publish prompt plus completion."""
+        (`worker.engine.decoding.settle`) and publish prompt plus completion."""
         pending, self._pending = self._pending, None
         if pending is None or self.decode.exact or not self.settings.settle_completions or not self.kv.prefix_reuse:
             return

@@ -56,26 +56,33 @@ def final_event(event: Event) -> bool:
     return isinstance(event, DoneEvent) or (isinstance(event, ErrorEvent) and not event.retrying)
 
 
-def parse_event(fields: dict[bytes, bytes]) -> Event:
-    """The event of a stream entry. A token, the bulk of every stream, is built without validation: a worker wrote it from one."""
-    data = json.loads(fields[b"e"])
+def parse_event(line: bytes | str) -> Event:
+    """One event line of a stream entry. A token, the bulk of every stream, is built without validation: a worker wrote it from one."""
+    data = json.loads(line)
     if data.get("type") == "token":
         return TokenEvent.model_construct(**data)
     return _EVENT.validate_python(data)
 
 
-def take_event(once: Once, fields: dict[bytes, bytes]) -> Event | None:
-    """The event of a stream entry, or None for the repeat of a retried write or an entry of a superseded attempt (`Once`)."""
-    if not once.fresh(fields):
-        return None
-    event = parse_event(fields)
-    return event if once.current(fields, isinstance(event, StartEvent)) else None
+def entry_events(fields: dict[bytes, bytes]) -> list[Event]:
+    """Every event a stream entry holds, in order (`worker.protocol.entry`)."""
+    return [parse_event(line) for line in fields[b"e"].split(b"\n")]
+
+
+def take_events(once: Once, fields: dict[bytes, bytes]) -> list[Event]:
+    """The events of a stream entry a reader takes: none it has seen, none of a superseded attempt (`Once`)."""
+    out = []
+    for line in once.take(fields):
+        event = parse_event(line)
+        if once.current(fields, isinstance(event, StartEvent)):
+            out.append(event)
+    return out
 
 
 def _entries(batch: list[Any], once: Once) -> tuple[bytes, list[Event]]:
-    """The last entry id and the events of one XREAD reply for one stream that a reader takes (`take_event`)."""
+    """The last entry id and the events of one XREAD reply for one stream that a reader takes (`take_events`)."""
     entries = batch[0][1]
-    return entries[-1][0], [e for _, fields in entries if (e := take_event(once, fields)) is not None]
+    return entries[-1][0], [e for _, fields in entries for e in take_events(once, fields)]
 
 
 def events(conn: redis.Redis, job_id: str, *, timeout_s: float = 600.0, block_ms: int = 1000) -> Iterator[Event]:

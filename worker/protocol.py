@@ -2,9 +2,10 @@
 
 No llama.cpp here: the gateway imports this module to build jobs and read their streams.
 
-A job's tokens go out on a Redis stream (``kvpool:stream:<job id>``) as they are made,
-one entry per event. Its field ``e`` holds the event as JSON; ``w`` names the writer (one
-per attempt) and ``n`` counts the writer's entries from 1 (`entry`, `Once`):
+A job's tokens go out on a Redis stream (``kvpool:stream:<job id>``) as they are made. An
+entry holds one or more events, one JSON object a line in its field ``e``; ``w`` names the
+writer (one per attempt) and ``n`` is the number of the entry's last event among the
+writer's, counted from 1 (`entry`, `Once`):
 
 * ``{"type": "start", "attempt": 1, "worker": "..."}`` -- each attempt begins anew (a
   job whose worker died is run again by another, from the start)
@@ -14,14 +15,17 @@ per attempt) and ``n`` counts the writer's entries from 1 (`entry`, `Once`):
 
 The first token is written as soon as it is sampled. Tokens that follow it within
 ``KVPOOL_STREAM_INTERVAL_MS`` of the last write wait for the next write and go in one
-transaction, still one entry each, so a reader gets them in one reply
-(`worker.process.jobs.JobStream`). The stream is trimmed to a bounded length and expires a while
-after its last entry. A client that goes away sets ``kvpool:cancel:<job id>``; the worker
-checks it at every write and stops within that interval.
+entry, so a reader gets them in one reply (`worker.process.jobs.JobStream`). The stream is
+trimmed to a bounded length and expires a while after its last entry. A client that goes
+away sets ``kvpool:cancel:<job id>``; the worker checks it at every write and stops within
+that interval.
 
 A write is retried when Redis goes away during it, and Redis may have applied the write
-before it went (a Redis shut down after it ran a transaction but before it replied). The
-retry then repeats entries; readers drop them with `Once`, so every event counts once.
+before it went (a Redis shut down after it ran the write but before it replied), or a
+write that failed for good leaves its events to the next, which writes them again with
+newer ones. Readers drop every event whose number they have seen, with `Once`, so every
+event counts once. (A reader older than this format reads one event an entry: upgrade the
+gateways before the workers.)
 """
 
 from __future__ import annotations
@@ -48,17 +52,18 @@ def stream_key(job_id: str) -> str:
     return STREAM_PREFIX + job_id
 
 
-def entry(event_json: str, writer: str, n: int) -> dict[str, str | int]:
-    """The stream entry of a writer's ``n``-th event."""
-    return {"e": event_json, "w": writer, "n": n}
+def entry(lines: list[str], writer: str, last: int) -> dict[str, str | int]:
+    """The stream entry of a writer's events numbered ``last - len(lines) + 1`` to ``last`` (one JSON object each, no line breaks)."""
+    return {"e": "\n".join(lines), "w": writer, "n": last}
 
 
 class Once:
     """Which entries of one job's stream a reader takes: each once, and only those of the job's latest attempt.
 
-    * A writer's entries reach the stream in the order of their ``n``, so an entry whose ``n``
-      is not above the last seen from its writer repeats one (a write retried after Redis
-      applied it but lost its reply): `fresh` is False for it.
+    * A writer's events reach the stream in the order of their numbers, so an event whose
+      number is not above the last seen from its writer repeats one (a write retried after
+      Redis applied it but lost its reply, or events a failed write left to the next):
+      `take` leaves it out.
     * Each attempt writes through a writer of its own (`worker.process.jobs.JobStream`) and starts
       with a start event. RQ may retry a job whose first attempt still runs (its heartbeat
       lapsed during a Redis pause), and then both write to the stream: `current` is False
@@ -72,17 +77,20 @@ class Once:
         self._last: dict[bytes, int] = {}
         self._attempt: bytes | None = None
 
-    def fresh(self, fields: dict[bytes, bytes]) -> bool:
+    def take(self, fields: dict[bytes, bytes]) -> list[bytes]:
+        """The entry's event lines not seen before: those numbered after the last seen from its writer."""
+        lines = fields[b"e"].split(b"\n")
         writer, n = fields.get(b"w"), fields.get(b"n")
         if writer is None or n is None:
-            return True
-        if int(n) <= self._last.get(writer, 0):
-            return False
-        self._last[writer] = int(n)
-        return True
+            return lines
+        last, seen = int(n), self._last.get(writer, 0)
+        if last <= seen:
+            return []
+        self._last[writer] = last
+        return lines[max(0, len(lines) - (last - seen)) :]
 
     def current(self, fields: dict[bytes, bytes], starts: bool) -> bool:
-        """Whether a fresh entry belongs to the latest attempt; ``starts``: it is a start event (its writer becomes the latest)."""
+        """Whether a fresh event belongs to the latest attempt; ``starts``: it is a start event (its writer becomes the latest)."""
         writer = fields.get(b"w")
         if starts:
             self._attempt = writer

@@ -27,11 +27,11 @@ from gateway.anthropic.schemas import CountTokensRequest, MessagesRequest
 from gateway.errors import APIError, Overloaded, Unauthorized, WorkerFailed
 from gateway.idempotency import submit_once
 from gateway.middleware import noted
-from gateway.relay import relay
+from gateway.relay import relay, relay_reads
 from gateway.sse import EventStream
 from gateway.state import Gateway
 from gateway.tenants import Tenant
-from worker.protocol import JobResult, TokenEvent
+from worker.protocol import JobResult
 
 log = logging.getLogger("kvpool.gateway")
 
@@ -83,16 +83,17 @@ async def _events(gw: Gateway, request: Request, sub: Submitted, job: MessageJob
     try:
         for chunk in writer.start():
             yield chunk
-        events = relay(gw.relay_context(request, sub.prepared, sub.job_id, t0, ENDPOINT))
+        reads = relay_reads(gw.relay_context(request, sub.prepared, sub.job_id, t0, ENDPOINT))
         try:
-            async for ev in events:
-                for chunk in writer.token(ev) if isinstance(ev, TokenEvent) else writer.finish(ev):
-                    yield chunk
-                if isinstance(ev, JobResult):
+            async for got in reads:
+                if isinstance(got, JobResult):
+                    yield b"".join(writer.finish(got))
                     sub.done = True
+                elif frames := b"".join(chunk for t in got for chunk in writer.token(t)):
+                    yield frames  # the tokens of one read in one write to the socket
         finally:
             with anyio.CancelScope(shield=True):
-                await events.aclose()
+                await reads.aclose()
     except APIError as e:
         log.warning("stream.failed", extra={"job": sub.job_id, "status": e.status, "reason": e.message})
         yield sse(error_body(e))

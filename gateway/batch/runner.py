@@ -20,7 +20,7 @@ from gateway.errors import APIError, Overloaded, WorkerFailed
 from gateway.responses import chat_body, completion_body
 from gateway.settings import GatewaySettings
 from worker.advert import adverts
-from worker.client import ENDED, JobStatus, cancel, delete_job, job_key, job_status, requeue_stranded, return_value, take_event
+from worker.client import ENDED, JobStatus, cancel, delete_job, job_key, job_status, requeue_stranded, return_value, take_events
 from worker.protocol import (
     STREAM_PREFIX,
     DoneEvent,
@@ -186,7 +186,7 @@ class Runner:
                     break
                 flight.last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                 self._progress_at = time.monotonic()
-                if (event := take_event(flight.once, fields)) is not None:
+                for event in take_events(flight.once, fields):
                     self._on_event(flight, event)
 
     def _on_event(self, flight: Flight, ev: object) -> None:

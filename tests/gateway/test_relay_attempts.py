@@ -14,7 +14,7 @@ import redis
 import redis.asyncio
 from starlette.requests import Request
 
-from gateway.relay import RelayContext, relay
+from gateway.relay import RelayContext, relay, relay_reads
 from gateway.streams import StreamReader
 from tests.helpers import poll
 from worker.client import events
@@ -62,6 +62,42 @@ def test_the_relay_gives_the_client_each_position_once_from_the_attempt_that_fin
     """The client had a1..a5 from the first attempt; from the second it gets b6 and b7, never a6 counted as the second's."""
     _write_interleaved(redis.Redis.from_url(redis_url))
 
+    async def run() -> list[str]:
+        ctx = _context(redis.asyncio.Redis.from_url(redis_url), JOB)
+        try:
+            return [ev.text async for ev in relay(ctx) if isinstance(ev, TokenEvent)]
+        finally:
+            await ctx.reader.close()
+
+    assert asyncio.run(run()) == ["a1", "a2", "a3", "a4", "a5", "b6", "b7"]
+
+
+def test_a_streamed_response_gets_the_new_tokens_of_one_read_together(redis_url: str) -> None:
+    """`relay_reads` hands over what one read of the stream brought in one piece, so the response writes it to the socket once."""
+    conn = redis.Redis.from_url(redis_url)
+    stream = JobStream(conn, "one-read", ttl_s=60, interval_s=3600.0)
+    stream.send(StartEvent(attempt=1, worker="w"))
+    stream.send(TokenEvent(text="t0", token=0))
+    poll(lambda: conn.xlen(stream_key("one-read")) == 2, "the first token, written at once")
+    for i in range(1, 4):
+        stream.send(TokenEvent(text=f"t{i}", token=i))
+    stream.send(DoneEvent(result=_result(4)))
+    stream.close()
+    assert conn.xlen(stream_key("one-read")) == 3, "start; the first token at once; three held tokens with the answer"
+
+    async def run() -> list[object]:
+        ctx = _context(redis.asyncio.Redis.from_url(redis_url), "one-read")
+        try:
+            return [r if isinstance(r, JobResult) else [t.text for t in r] async for r in relay_reads(ctx)]
+        finally:
+            await ctx.reader.close()
+
+    got = asyncio.run(run())
+    assert got[0] == ["t0", "t1", "t2", "t3"], "the whole stream was there at the first read"
+    assert isinstance(got[1], JobResult) and len(got) == 2
+
+
+def _context(aredis: redis.asyncio.Redis, job_id: str) -> RelayContext:
     async def receive() -> dict[str, object]:
         await asyncio.sleep(3600)  # the client stays
         return {"type": "http.disconnect"}
@@ -72,24 +108,16 @@ def test_the_relay_gives_the_client_each_position_once_from_the_attempt_that_fin
     async def nothing() -> None:
         return None
 
-    async def run() -> list[str]:
-        aredis = redis.asyncio.Redis.from_url(redis_url)
-        ctx = RelayContext(
-            request=Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive),
-            aredis=aredis,
-            reader=StreamReader(aredis),
-            job_id=JOB,
-            queue="kvpool",
-            t0=time.perf_counter(),
-            timeout_s=60,
-            endpoint="completions",
-            any_worker_alive=alive,
-            resubmit=nothing,
-            job_seconds=lambda s: None,
-        )
-        try:
-            return [ev.text async for ev in relay(ctx) if isinstance(ev, TokenEvent)]
-        finally:
-            await ctx.reader.close()
-
-    assert asyncio.run(run()) == ["a1", "a2", "a3", "a4", "a5", "b6", "b7"]
+    return RelayContext(
+        request=Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive),
+        aredis=aredis,
+        reader=StreamReader(aredis),
+        job_id=job_id,
+        queue="kvpool",
+        t0=time.perf_counter(),
+        timeout_s=60,
+        endpoint="completions",
+        any_worker_alive=alive,
+        resubmit=nothing,
+        job_seconds=lambda s: None,
+    )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from urllib.parse import urlsplit
 
@@ -13,9 +12,9 @@ import redis.asyncio
 from gateway.streams import StreamReader
 from tests.helpers import poll
 from tests.redis_faults import ReplyLosingProxy
-from worker.client import events
+from worker.client import Event, entry_events, events, take_events
 from worker.process.jobs import Emitter, JobStream
-from worker.protocol import DoneEvent, JobResult, StartEvent, Timings, TokenEvent, Usage, cancel_key, stream_key
+from worker.protocol import DoneEvent, JobResult, Once, StartEvent, Timings, TokenEvent, Usage, cancel_key, entry, stream_key
 
 
 def _result() -> JobResult:
@@ -29,12 +28,17 @@ def _result() -> JobResult:
     )
 
 
+def _events(conn: redis.Redis, job_id: str) -> list[Event]:
+    """Every event the stream holds, repeats included (each entry holds the events of one write)."""
+    return [e for _, fields in conn.xrange(stream_key(job_id)) for e in entry_events(fields)]
+
+
 def _written(conn: redis.Redis, job_id: str) -> int:
-    return int(conn.xlen(stream_key(job_id)))
+    return len(_events(conn, job_id))
 
 
 def _texts(conn: redis.Redis, job_id: str) -> list[str]:
-    return [json.loads(fields[b"e"]).get("text", "") for _, fields in conn.xrange(stream_key(job_id))]
+    return [e.text if isinstance(e, TokenEvent) else "" for e in _events(conn, job_id)]
 
 
 def test_with_no_interval_every_token_is_written_as_soon_as_it_is_sent(redis_url: str) -> None:
@@ -81,6 +85,40 @@ def test_tokens_within_the_interval_wait_for_the_next_event_due_and_keep_their_o
     assert [type(e).__name__ for e in got] == ["StartEvent", "TokenEvent", "TokenEvent", "TokenEvent", "DoneEvent"]
     assert "".join(e.text for e in got if isinstance(e, TokenEvent)) == "abc"
     assert 0 < conn.ttl(stream_key("held")) <= 60
+
+
+def test_the_tokens_held_between_two_writes_go_out_in_one_entry(redis_url: str) -> None:
+    """One XADD per stream and write, whatever it carries: Redis and the gateway's reader handle an entry a write, not a token."""
+    conn = redis.Redis.from_url(redis_url)
+    stream = JobStream(conn, "together", ttl_s=60, interval_s=3600.0)
+    assert stream.send(StartEvent(attempt=1, worker="w"))
+    assert stream.send(TokenEvent(text="a", token=1))
+    poll(lambda: _written(conn, "together") == 2, "the first token (never held)")
+    for i, tok in enumerate("bcd"):
+        assert stream.send(TokenEvent(text=tok, token=i + 2))
+    assert stream.send(DoneEvent(result=_result()))
+    stream.close()
+    entries = conn.xrange(stream_key("together"))
+    assert [len(entry_events(fields)) for _, fields in entries] == [1, 1, 4], "start; a; b, c, d and the answer in one entry"
+    assert [int(fields[b"n"]) for _, fields in entries] == [1, 2, 6], "each entry numbered by its last event"
+    assert [e.text for e in events(conn, "together", timeout_s=5) if isinstance(e, TokenEvent)] == ["a", "b", "c", "d"]
+
+
+def test_a_reader_takes_only_the_events_it_has_not_seen_from_an_entry_that_repeats_some() -> None:
+    """A write that failed for good leaves its events to the next, which may hold them beside newer ones: each is read once."""
+    once, writer = Once(), b"w1"
+
+    def fields(first: int, last: int) -> dict[bytes, bytes]:
+        lines = [TokenEvent(text=str(n), token=n).model_dump_json() for n in range(first, last + 1)]
+        return {k.encode(): str(v).encode() for k, v in entry(lines, writer.decode(), last).items()}
+
+    def texts(f: dict[bytes, bytes]) -> list[str]:
+        return [e.text for e in take_events(once, f) if isinstance(e, TokenEvent)]
+
+    assert texts(fields(1, 2)) == ["1", "2"]
+    assert texts(fields(3, 5)) == ["3", "4", "5"], "Redis ran this write; its reply was lost"
+    assert texts(fields(3, 5)) == [], "the same write retried"
+    assert texts(fields(3, 8)) == ["6", "7", "8"], "its events again, with the newer ones"
 
 
 def test_a_token_is_written_once_the_interval_has_passed(redis_url: str) -> None:
@@ -140,6 +178,7 @@ def test_a_write_redis_ran_but_never_answered_is_retried_and_read_once(redis_url
         assert stream.send(StartEvent(attempt=1, worker="w"))
         assert stream.send(TokenEvent(text="a", token=1))
         poll(lambda: _written(admin, "unanswered") == 2, "the first token")
+        proxy.pipelines, proxy.only_with = True, b"XADD"
         proxy.armed.set()
         assert stream.send(TokenEvent(text="b", token=2))
         poll(proxy.lost.is_set, "the write of b to run without its reply reaching the worker")

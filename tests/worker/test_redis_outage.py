@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -19,6 +18,7 @@ from redis.retry import Retry
 
 from gateway.pool.procs import RedisServer
 from gateway.streams import StreamReader
+from worker.client import entry_events
 from worker.process.jobs import JobStream
 from worker.protocol import ErrorEvent, StartEvent, TokenEvent, stream_key
 from worker.redis_retry import outage_retry, ride_out
@@ -134,8 +134,8 @@ def test_a_job_stream_written_while_redis_restarts_loses_no_event(
     try:
         t.join(30)
         assert out == {"value": True}, "the last event returned once it was written"
-        written = [json.loads(fields[b"e"]) for _, fields in conn.xrange(stream_key("across"))]
-        assert [e.get("text", e.get("error")) for e in written] == ["a", "the end"], (
+        written = [e for _, fields in conn.xrange(stream_key("across")) for e in entry_events(fields)]
+        assert [getattr(e, "text", getattr(e, "error", None)) for e in written] == ["a", "the end"], (
             "written once Redis was back, in order (a Redis without AOF lost the start)"
         )
         stream.close()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.engine.textstream import TextStream
+from worker.engine.sampling import TextStream
 
 
 class Pieces:

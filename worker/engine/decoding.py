@@ -22,7 +22,11 @@ tokens. Three ways to decode, chosen at start-up by measuring them on the loaded
 * `DecodeMode.SETTLE`: neither is exact (a GPU backend, f16 with a stock build's flash attention, a
   forced mode that failed its check). Generated cells are never reused or published as
   they are; the worker evaluates the completion again as prompt once the worker idles
-  (`worker.answering.Engine.settle`), as every engine before exact decoding did.
+  (`settle`, run by `worker.answering.Engine.settle`), as every engine before exact decoding
+  did: evaluated again in prompt batches the cells are a cold evaluation's, and serve the
+  next turn of the chat exactly, from this context and, published, from any worker. It is
+  idle-time work: it starts only after no job has waited for ``idle_s``, and stops between
+  batches as soon as one arrives (that job evaluates whatever it needs itself).
 
 In the exact modes the answer itself is what a cold evaluation of the prompt plus the
 tokens so far gives at every step, so it is the same bits on every exact worker of a
@@ -33,12 +37,14 @@ chat resumes there, here or, published, anywhere.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
 
-from worker.engine.llama_state import Llama, evaluate_prompt, last_logits
+from worker.engine.llama_state import Llama, batch_sizes, evaluate_prompt, last_logits
 
 CHECK_SEGMENTS = ((24, 10), (16, 10), (16, 10))  # (prompt tokens evaluated, answer tokens decoded), one after another
 Probe = list[tuple[list[int], list[int]]]
@@ -178,3 +184,35 @@ def choose_mode(llm: Llama, wanted: str, probes: list[Probe] | None = None) -> t
             return mode, f"{mode} decoding matches a cold evaluation" + (f" ({', '.join(failed)} does not)" if failed else "")
         failed.append(str(mode))
     return DecodeMode.SETTLE, f"no exact decoding on this build and layout ({', '.join(failed)} differs from a cold evaluation)"
+
+
+# -- the fallback: the completion evaluated again, at idle time ------------------------
+
+SETTLE_BATCH = 32
+"""Tokens per settle batch: the longest a job that arrives meanwhile waits."""
+
+
+def settle(
+    llm: Llama, tokens: list[int], generated: list[int], *, n_ctx: int, idle_s: float, job_waiting: Callable[[], bool]
+) -> Iterator[int]:
+    """Evaluates ``tokens + generated`` from the end of the prompt on; yields how many leading cells are exact after each batch."""
+    held = tokens + generated
+    if not generated or len(held) > n_ctx or not idle_for(idle_s, job_waiting):
+        return
+    pos = min(len(tokens), len(held) - 2)
+    for size in batch_sizes(len(held) - pos, SETTLE_BATCH):
+        if pos > len(tokens) and job_waiting():
+            return
+        evaluate_prompt(llm, held[: pos + size], pos)
+        pos += size
+        yield pos
+
+
+def idle_for(seconds: float, job_waiting: Callable[[], bool]) -> bool:
+    """True once ``seconds`` pass with no job waiting; False as soon as one is."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if job_waiting():
+            return False
+        time.sleep(0.01)
+    return not job_waiting()

@@ -105,16 +105,26 @@ class EngineLoop:
 
     # -- the jobs' side ----------------------------------------------------------------
 
-    def decode(self, seq: int, tokens: list[int], pos: int, *, rows: bool = False, watch: Watch | None = None) -> np.ndarray:
+    def decode(
+        self,
+        seq: int,
+        tokens: list[int],
+        pos: int,
+        *,
+        rows: bool = False,
+        watch: Watch | None = None,
+        record: Callable[[Request], None] | None = None,
+    ) -> np.ndarray:
         """Decode ``tokens`` of sequence ``seq`` at positions ``pos...`` (its cells from ``pos`` on removed first).
 
-        Returns the last token's logits (every token's with ``rows``). Raises `JobAborted`
-        when ``watch`` says so between pieces; then, as on any exception reaching this
-        thread while it waits, the request is abandoned (see the module's doc).
+        Returns the last token's logits (every token's with ``rows``); ``record`` runs on the
+        loop's thread once they are there (`Request.record`). Raises `JobAborted` when
+        ``watch`` says so between pieces; then, as on any exception reaching this thread
+        while it waits, the request is abandoned (see the module's doc).
         """
         if len(tokens) == 0:
             raise ValueError("nothing to decode")
-        req = Request(seq, list(tokens), pos, rows)
+        req = Request(seq, list(tokens), pos, rows, record=record)
         self._await(req, req.finished, watch)
         if req.error is not None:
             raise req.error
@@ -458,6 +468,8 @@ class EngineLoop:
             if not req.rows:
                 ptr = llama_cpp.llama_get_logits_ith(ctx, first + n - 1)
                 req.out = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+            if req.record is not None and not req.dropped:
+                req.record(req)
             req.finished.set()
 
 

@@ -87,6 +87,8 @@ class Request:
     abandoned: bool = False
     """Its job stopped waiting (cancelled, timed out, stopped): the loop drops it before the next round."""
     chain: Chain | None = None
+    record: Callable[[Request], None] | None = None
+    """Run by the loop once the request's last token is decoded, before its job wakes: the sequence's records change with its cells."""
 
     @property
     def dropped(self) -> bool:

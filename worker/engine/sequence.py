@@ -120,7 +120,7 @@ class SeqView:
         """Append ``tokens`` after the first ``n_tokens`` cells (the cells past them are removed first)."""
         tokens = list(tokens)
         self._check_room(tokens, self.n_tokens)
-        self._took(tokens, self.n_tokens, self.loop.decode(self.seq, tokens, self.n_tokens, watch=self.watch))
+        self.loop.decode(self.seq, tokens, self.n_tokens, watch=self.watch, record=self._record)
 
     def generate(self, tokens: list[int], pos: int, next_step: Callable[[], tuple[list[int], int] | None]) -> None:
         """Decode the step ``tokens`` at ``pos``, then each step ``next_step`` names, until it names none.
@@ -150,8 +150,13 @@ class SeqView:
         if pos + len(tokens) > self._n_ctx:
             raise RuntimeError(f"{pos + len(tokens)} tokens do not fit the sequence's {self._n_ctx} cells")
 
+    def _record(self, req: Request) -> None:
+        """`_took` for a decoded prompt piece (`EngineLoop.decode`'s ``record``), on the loop's thread."""
+        assert req.out is not None
+        self._took(req.tokens, req.pos, req.out[-1].copy() if req.rows else req.out)
+
     def _took(self, tokens: Sequence[int], pos: int, logits: Any) -> None:
-        """The records of ``tokens`` decoded at ``pos``: what the cells hold up to their end, and the last token's logits."""
+        """The records of ``tokens`` decoded at ``pos``: what the cells hold up to their end, and the last token's logits; on the loop's thread."""
         self.logits = logits
         self.input_ids[pos : pos + len(tokens)] = tokens
         self.n_tokens = pos + len(tokens)
@@ -159,12 +164,7 @@ class SeqView:
 
     def decode_rows(self, tokens: Sequence[int]) -> np.ndarray:
         """Like `eval`, returning the logits of every token (for scoring a prompt)."""
-        tokens = list(tokens)
-        rows = self.loop.decode(self.seq, tokens, self.n_tokens, rows=True, watch=self.watch)
-        self.logits = rows[-1].copy()
-        self.input_ids[self.n_tokens : self.n_tokens + len(tokens)] = tokens
-        self.n_tokens += len(tokens)
-        return rows
+        return self.loop.decode(self.seq, list(tokens), self.n_tokens, rows=True, watch=self.watch, record=self._record)
 
     @contextlib.contextmanager
     def watching(self, watch: Watch | None) -> Iterator[None]:

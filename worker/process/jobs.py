@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -156,16 +157,15 @@ class JobStream:
             self._held.clear()
 
     def _write(self, outage_s: float) -> bool:
-        """Write every held event, renew the stream's expiry, in one transaction; the caller holds ``_writing``."""
+        """Write every held event in one entry and renew the stream's expiry, in one round trip; the caller holds ``_writing``."""
         with self._wake:
             lines, self._held = self._held, []
         if not lines:
             return not self._cancelled
 
         def write() -> list[Any]:
-            pipe = self.conn.pipeline(transaction=True)
-            for n, e in lines:
-                pipe.xadd(self.key, entry(e, self.writer, n), maxlen=STREAM_MAXLEN, approximate=True)
+            pipe = self.conn.pipeline(transaction=False)  # a retry after Redis applied it repeats the entry: readers drop it (`Once`)
+            pipe.xadd(self.key, entry([e for _, e in lines], self.writer, lines[-1][0]), maxlen=STREAM_MAXLEN, approximate=True)
             pipe.expire(self.key, self.ttl_s)
             pipe.exists(self.cancel)
             return pipe.execute()
@@ -188,8 +188,9 @@ class Emitter:
 
     When the first stream with held tokens is due (its ``interval_s`` after its last write,
     or at once for its first token), every stream holding tokens is written, in one
-    pipeline per Redis connection: each stream's tokens, then whether its client
-    cancelled, so one round trip carries the step of every sequence and reads every cancel.
+    pipeline per Redis connection: one entry per stream with all its tokens, then one MGET
+    of every client's cancel, so one round trip carries the step of every sequence and reads
+    every cancel.
     A stream whose own event is being written by its job (`JobStream.send`) is skipped: that
     write takes its tokens too.
     """
@@ -211,15 +212,19 @@ class Emitter:
         self.pid = os.getpid()
         self._cv = threading.Condition()
         self._dirty: set[JobStream] = set()
+        self._until = -math.inf
+        """When the waiting emitter wakes next (inf: when told; -inf: it is not waiting)."""
         self.writes = 0
         """Pipelines written (for tests and the A/B of the token path)."""
         self.thread = threading.Thread(target=self._supervised, name="kvpool-emitter", daemon=True)
         self.thread.start()
 
     def wake(self, stream: JobStream) -> None:
+        """``stream`` holds tokens: the emitter wakes only if it is due before the emitter would wake anyway (not once a token)."""
         with self._cv:
             self._dirty.add(stream)
-            self._cv.notify()
+            if stream.written_at + stream.interval_s < self._until:
+                self._cv.notify()
 
     def _supervised(self) -> None:
         try:
@@ -233,7 +238,9 @@ class Emitter:
         while True:
             with self._cv:
                 while not self._dirty or (due := min(s.written_at + s.interval_s for s in self._dirty)) > time.monotonic():
+                    self._until = math.inf if not self._dirty else due
                     self._cv.wait(None if not self._dirty else max(0.0, due - time.monotonic()))
+                self._until = -math.inf  # writing: a stream that holds tokens meanwhile is seen when it is done
                 batch, self._dirty = self._dirty, set()
             by_conn: dict[int, list[JobStream]] = {}
             for s in batch:
@@ -258,13 +265,12 @@ class Emitter:
         renew = {s for s, _ in taken if now - s.renewed_at > s.ttl_s / 2}
 
         def write() -> list[Any]:
-            pipe = conn.pipeline(transaction=True)  # all or nothing; a retry of one Redis ran repeats entries, dropped by readers (`Once`)
+            pipe = conn.pipeline(transaction=False)  # a retry of what Redis ran repeats entries: readers drop them (`Once`)
             for s, lines in taken:
-                for n, e in lines:
-                    pipe.xadd(s.key, entry(e, s.writer, n), maxlen=STREAM_MAXLEN, approximate=True)
+                pipe.xadd(s.key, entry([e for _, e in lines], s.writer, lines[-1][0]), maxlen=STREAM_MAXLEN, approximate=True)
                 if s in renew:
                     pipe.expire(s.key, s.ttl_s)
-                pipe.exists(s.cancel)
+            pipe.mget([s.cancel for s, _ in taken])
             return pipe.execute()
 
         try:
@@ -275,10 +281,8 @@ class Emitter:
                 s.put_back(lines, e)
         else:
             self.writes += 1
-            at = 0
-            for s, lines in taken:
-                at += len(lines) + (s in renew) + 1
-                s.saw_cancel(bool(done[at - 1]))
+            for (s, _), cancelled in zip(taken, done[-1], strict=True):
+                s.saw_cancel(cancelled is not None)
                 if s in renew:
                     s.renewed_at = now
         finally:

@@ -29,6 +29,7 @@ class Chat:
     model: str
     system: str
     questions: tuple[str, ...]
+    stop: tuple[str, ...] = ()
 
     def body(self, answers: list[str]) -> str:
         """The request of turn ``len(answers)``: the conversation so far and the next question."""
@@ -36,7 +37,7 @@ class Chat:
         for question, answer in zip(self.questions, answers):
             messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         messages.append({"role": "user", "content": self.questions[len(answers)]})
-        return _body(self.model, messages, MAX_TOKENS)
+        return _body(self.model, messages, MAX_TOKENS, self.stop)
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,8 @@ class Workload:
         return len(self.bodies) + sum(len(c.questions) for c in self.chats)
 
 
-def _body(model: str, messages: list[dict[str, str]], max_tokens: int) -> str:
-    body = {
+def _body(model: str, messages: list[dict[str, str]], max_tokens: int, stop: tuple[str, ...] = ()) -> str:
+    body: dict[str, object] = {
         "model": model,
         "messages": messages,
         "max_tokens": max_tokens,
@@ -62,11 +63,13 @@ def _body(model: str, messages: list[dict[str, str]], max_tokens: int) -> str:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if stop:
+        body["stop"] = list(stop)
     return json.dumps(body)
 
 
-def chat_body(model: str, system: str, question: str, max_tokens: int = MAX_TOKENS) -> str:
-    return _body(model, [{"role": "system", "content": system}, {"role": "user", "content": question}], max_tokens)
+def chat_body(model: str, system: str, question: str, max_tokens: int = MAX_TOKENS, stop: tuple[str, ...] = ()) -> str:
+    return _body(model, [{"role": "system", "content": system}, {"role": "user", "content": question}], max_tokens, stop)
 
 
 def _text(repo: Path) -> list[str]:
@@ -76,20 +79,22 @@ def _text(repo: Path) -> list[str]:
     return words
 
 
-def workloads(repo: Path, model: str, keys: tuple[str, ...] = KEYS, *, prefix_words: int = 1100, doc_words: int = 450) -> list[Workload]:
-    """The workloads named in ``keys``, from the words of the repository's Markdown files."""
+def workloads(
+    repo: Path, model: str, keys: tuple[str, ...] = KEYS, *, prefix_words: int = 1100, doc_words: int = 450, stop: tuple[str, ...] = ()
+) -> list[Workload]:
+    """The workloads named in ``keys``, from the words of the repository's Markdown files; ``stop``: every request's stop strings."""
     words = _text(repo)
     shared = " ".join(words[:prefix_words])
-    w1 = tuple(chat_body(model, shared, f"In one sentence: what does part {i + 1} of this text say?") for i in range(12))
+    w1 = tuple(chat_body(model, shared, f"In one sentence: what does part {i + 1} of this text say?", stop=stop) for i in range(12))
     at = prefix_words
     docs = [" ".join(words[at + i * doc_words : at + (i + 1) * doc_words]) for i in range(5)]
     asks = ["Summarise this document.", "Name one tool it mentions.", "What problem does it solve?", "Who would use it?"]
-    w3 = tuple(chat_body(model, doc, q) for q in asks for doc in docs)
+    w3 = tuple(chat_body(model, doc, q, stop=stop) for q in asks for doc in docs)
     at += 5 * doc_words
     turns = ("What is this text about?", "Give one detail from it.", "Why does that matter?", "Say it in five words.")
-    chats = tuple(Chat(model, "Answer briefly.\n\n" + " ".join(words[at + i * 300 : at + (i + 1) * 300]), turns) for i in range(5))
+    chats = tuple(Chat(model, "Answer briefly.\n\n" + " ".join(words[at + i * 300 : at + (i + 1) * 300]), turns, stop) for i in range(5))
     at += 5 * 300
-    w4 = tuple(chat_body(model, " ".join(words[at + i * 350 : at + (i + 1) * 350]), "What is this about?") for i in range(8))
+    w4 = tuple(chat_body(model, " ".join(words[at + i * 350 : at + (i + 1) * 350]), "What is this about?", stop=stop) for i in range(8))
     found = [
         Workload("W1", "shared system prompt, 12 questions", w1),
         Workload("W2", "5 chats x 4 turns, each turn with the answers so far", chats=chats),

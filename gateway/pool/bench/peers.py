@@ -236,13 +236,29 @@ def systems(
     return {name: start for key, (name, start) in found.items() if key in only}
 
 
-def decode_run(system: str, urls: list[str], model: str, *, requests: int = 8, concurrency: int = 4, max_tokens: int = 128) -> RunResult:
+def decode_run(
+    system: str, urls: list[str], model: str, *, requests: int = 8, concurrency: int = 4, max_tokens: int = 128, stop: tuple[str, ...] = ()
+) -> RunResult:
     """Decode throughput: short prompts, long answers; tokens are counted from each reply's usage."""
     bodies = tuple(
-        chat_body(model, "You are a storyteller.", f"Tell story number {i + 1} about a lighthouse keeper.", max_tokens)
+        chat_body(model, "You are a storyteller.", f"Tell story number {i + 1} about a lighthouse keeper.", max_tokens, stop)
         for i in range(requests)
     )
     return run_workload(system, urls, Workload("decode", f"{requests} x {max_tokens} tokens", bodies), concurrency)
+
+
+def template_stops(model: Path) -> tuple[str, ...]:
+    """The end-of-turn text of the chat template both servers render for ``model``, sent as every request's stop string.
+
+    A GGUF without a template (Gemma 3 270M's) is rendered as ChatML by both servers, and
+    ChatML's ``<|im_end|>`` is then ordinary text to the model: kvpool ends an answer there
+    (`gateway.tokenizer.Tokenizer.chat_stops`), llama-server writes on to ``max_tokens``
+    unless told. Asking both to stop there makes their answers end alike; where the text
+    is a special token (SmolLM2's) the model's end of generation ends both answers already.
+    """
+    from gateway.tokenizer import Tokenizer  # a vocabulary-only load of the model
+
+    return tuple(Tokenizer(model).chat_stops)
 
 
 def _warm_up(urls: list[str], model: str) -> None:
@@ -274,7 +290,8 @@ def run_peers(
     """
     results: list[RunResult] = []
     decode: list[dict[str, object]] = []
-    wls = workloads(repo, model_name, keys)
+    stop = template_stops(model)
+    wls = workloads(repo, model_name, keys, stop=stop)
     for name, start in systems(binary, model, threads=threads, n_ctx=n_ctx, logs=logs, only=only).items():
         for wl in wls:
             for conc in concurrencies:
@@ -293,7 +310,7 @@ def run_peers(
             continue
         with start() as urls:  # type: ignore[attr-defined]
             _warm_up(urls, model_name)
-            d = decode_run(name, urls, model_name)
+            d = decode_run(name, urls, model_name, stop=stop)
         decode.append(
             {"system": name, "wall_s": d.wall_s, "completion_tokens": d.completion_tokens, "tokens_per_s": d.completion_tokens / d.wall_s}
         )
@@ -303,6 +320,7 @@ def run_peers(
         "neighbour": neighbour,
         "n_ctx": n_ctx,
         "model": model_name,
+        "stop": list(stop),
         "workloads": {w.key: w.title for w in wls},
         "runs": [asdict(r) | {"ttft_p50": r.ttft_p50, "ttft_p95": r.ttft_p95} for r in results],
         "decode": decode,

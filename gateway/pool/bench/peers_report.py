@@ -200,6 +200,11 @@ def report(doc: dict[str, Any], command: str, plots: list[str] | tuple[str, ...]
     keys = sorted({r["workload"] for r in runs})
     lines = [
         f"Model {doc['model']}, {doc['threads']} threads in all per system, context {doc['n_ctx']} per slot or worker.",
+        *(
+            [f"Every request asks both systems to stop at {', '.join(f'`{x}`' for x in doc['stop'])} (the chat template's end of turn)."]
+            if doc.get("stop")
+            else []
+        ),
         "",
         *_provenance(doc.get("provenance")),
         f"Command: `{command}`",
