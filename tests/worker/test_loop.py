@@ -19,6 +19,7 @@ import pytest
 
 from tests.helpers import poll
 from worker.engine.context import Context
+from worker.engine.llama_state import read_seq_state, restore_seq_state
 from worker.engine.loop import EngineLoop
 from worker.engine.rounds import Request
 from worker.engine.sequence import SeqView
@@ -179,3 +180,37 @@ def test_a_generation_its_job_leaves_mid_way_leaves_records_saying_what_its_cell
     poll(lambda: loop.pending() == 0, "the abandoned step dropped")
     assert positions(loop, 0) == (0, view.n_tokens - 1), f"records say {view.n_tokens} tokens held"
     assert view.n_tokens >= 8 and view.input_ids[: view.n_tokens].tolist() == [5, 6, 7, 8] + [9] * (view.n_tokens - 4)
+
+
+class _Recorded(SeqView):
+    """A view that notes which thread sets its tokens held."""
+
+    def __init__(self, *args: object) -> None:
+        self.set_by: list[str] = []
+        super().__init__(*args)  # type: ignore[arg-type]
+
+    @property  # type: ignore[override]
+    def n_tokens(self) -> int:
+        return self._n
+
+    @n_tokens.setter
+    def n_tokens(self, n: int) -> None:
+        self._n = n
+        self.set_by.append(threading.current_thread().name)
+
+
+def test_a_prompt_piece_and_a_restore_record_what_the_cells_hold_in_the_task_that_changes_them(loop: EngineLoop) -> None:
+    """One owner: the records of a decoded piece and of a restored state are set on the loop's thread, not after it by the job."""
+    source = SeqView(loop, 1, 2, 256)
+    source.eval([5, 6, 7, 8, 9, 10])
+    state = bytes(read_seq_state(source))
+
+    view = _Recorded(loop, 0, 2, 256)
+    view.set_by.clear()
+    view.eval([11, 12, 13, 14])
+    assert view.n_tokens == 4 and view.set_by == ["kvpool-loop"], view.set_by
+    view.set_by.clear()
+    restore_seq_state(view, state, [5, 6, 7, 8, 9, 10])
+    assert view.n_tokens == 6 and view.input_ids[:6].tolist() == [5, 6, 7, 8, 9, 10]
+    assert set(view.set_by) == {"kvpool-loop"}, f"set by {view.set_by}: the clear and the load, each in its task"
+    assert positions(loop, 0) == (0, 5)

@@ -155,31 +155,43 @@ def restore_seq_state(llm: Llama, state: Buffer, tokens: Sequence[int], seq_id: 
     if n == 0:
         return
 
-    write_seq_state(llm, state, seq_id)
+    load_seq_state(llm, state, tokens, seq_id, check=check)
+
+
+@singledispatch
+def load_seq_state(llm: Llama, state: Buffer, tokens: Sequence[int], seq_id: int = 0, *, check: bool = True) -> None:
+    """Write a single-stream blob of ``len(tokens)`` cells into a cleared sequence and record ``tokens`` as what it holds.
+
+    With ``check``, the cells must hold positions ``0..len(tokens)-1``; otherwise they are
+    removed and `StateRestoreError` is raised. A view does all of it in one task of its
+    engine loop, so its records change with its cells (`worker.engine.sequence.SeqView.write_state`).
+    """
+    raise _neither(llm)
+
+
+@load_seq_state.register
+def _(llm: llama_cpp.Llama, state: Buffer, tokens: Sequence[int], seq_id: int = 0, *, check: bool = True) -> None:
+    n = len(tokens)
+    write_ctx_state(llm.ctx, state, seq_id)
     if check:
-        lo, hi = seq_positions(llm, seq_id)
-        if (lo, hi) != (0, n - 1):
-            clear_seq(llm, seq_id)
-            raise StateRestoreError(f"restored positions {lo}..{hi}, expected 0..{n - 1}")
+        check_positions(llm.ctx, seq_id, n)
     if seq_id == 0:
         llm.input_ids[:n] = tokens
         llm.n_tokens = n
 
 
-@singledispatch
-def write_seq_state(llm: Llama, state: Buffer, seq_id: int = 0) -> None:
-    """``llama_state_seq_set_data`` of a single-stream blob into one sequence; `restore_seq_state` checks around it."""
-    raise _neither(llm)
+@load_seq_state.register
+def _(llm: SeqView, state: Buffer, tokens: Sequence[int], seq_id: int = 0, *, check: bool = True) -> None:
+    llm.write_state(write_ctx_state, state, tokens, check_positions if check else None)
 
 
-@write_seq_state.register
-def _(llm: llama_cpp.Llama, state: Buffer, seq_id: int = 0) -> None:
-    write_ctx_state(llm.ctx, state, seq_id)
-
-
-@write_seq_state.register
-def _(llm: SeqView, state: Buffer, seq_id: int = 0) -> None:
-    llm.write_state(write_ctx_state, state)
+def check_positions(ctx: Any, seq_id: int, n: int) -> None:
+    """Raise `StateRestoreError`, with the sequence's cells removed, unless they hold positions ``0..n-1``."""
+    mem = llama_cpp.llama_get_memory(ctx)
+    lo, hi = llama_cpp.llama_memory_seq_pos_min(mem, seq_id), llama_cpp.llama_memory_seq_pos_max(mem, seq_id)
+    if (lo, hi) != (0, n - 1):
+        llama_cpp.llama_memory_seq_rm(mem, seq_id, -1, -1)
+        raise StateRestoreError(f"restored positions {lo}..{hi}, expected 0..{n - 1}")
 
 
 def write_ctx_state(ctx: Any, state: Buffer, seq_id: int) -> None:

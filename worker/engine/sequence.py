@@ -226,10 +226,25 @@ class SeqView:
         blob = self.loop.run(self.seq, lambda llm: read(llm.ctx, self.seq, into))
         return blob if self.n_streams == 1 else single_stream(blob, self.seq, self.n_streams)
 
-    def write_state(self, write: Any, state: bytes | bytearray | memoryview) -> None:
-        """``write(ctx, blob, seq)`` on the loop, with the single-stream ``state`` converted for this context."""
+    def write_state(
+        self,
+        write: Any,
+        state: bytes | bytearray | memoryview,
+        tokens: Sequence[int],
+        check: Callable[[Any, int, int], None] | None = None,
+    ) -> None:
+        """``write(ctx, blob, seq)`` on the loop, with the single-stream ``state`` converted for this context, then, in the
+        same task, ``check(ctx, seq, len(tokens))`` if given and the records of ``tokens``: they change with the cells."""
         blob = state if self.n_streams == 1 else multi_stream(state, self.seq, self.n_streams)
-        self.loop.run(self.seq, lambda llm: write(llm.ctx, blob, self.seq))
+
+        def load(llm: llama_cpp.Llama) -> None:
+            write(llm.ctx, blob, self.seq)
+            if check is not None:
+                check(llm.ctx, self.seq, len(tokens))
+            self.input_ids[: len(tokens)] = tokens
+            self.n_tokens = len(tokens)
+
+        self.loop.run(self.seq, load)
 
 
 def single_stream(blob: bytearray | memoryview, seq: int, n_streams: int) -> memoryview:
