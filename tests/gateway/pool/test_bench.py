@@ -13,6 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from gateway.pool.bench.cli import bench_command
+from gateway.pool.bench.peer_workloads import workloads
+from gateway.pool.bench.peers import template_stops
 from gateway.pool.bench.plan import PROFILES, cold_subset
 from gateway.pool.bench.systems import Sample
 from gateway.pool.bench.workloads import TokenSource, build
@@ -309,3 +311,14 @@ def test_the_hosts_probe_publishes_once_then_restores_and_chooses_at_each_rate(
         assert line["same_first_token"], line
         assert line["cold"]["evaluated"] == 600
         assert line["restore"]["cached_store"] >= 512, "every whole chunk of the published prompt restored"
+
+
+def test_bench_peers_asks_both_systems_to_stop_at_the_chat_templates_end_of_turn(gemma3: Path, smollm2: Path) -> None:
+    """Gemma 3's GGUF has no template, so both servers render ChatML, whose ``<|im_end|>`` is ordinary text to Gemma:
+    every request of every workload asks both to stop there, so their answers end alike (for SmolLM2 it is its end of generation).
+    """
+    assert template_stops(gemma3) == template_stops(smollm2) == ("<|im_end|>",)
+    found = workloads(Path(__file__).resolve().parents[3], "gemma", stop=template_stops(gemma3))
+    bodies = [json.loads(b) for w in found for b in w.bodies] + [json.loads(c.body([])) for w in found for c in w.chats]
+    assert len(bodies) == 12 + 20 + 8 + 5 and all(b["stop"] == ["<|im_end|>"] for b in bodies)
+    assert "stop" not in json.loads(workloads(Path(__file__).resolve().parents[3], "m", ("W4",))[0].bodies[0]), "none unless asked"
