@@ -14,6 +14,7 @@ so a client may name it in its next request at once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -27,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 
 from gateway.answer import Submitted, cancel_unfinished
 from gateway.errors import APIError, Overloaded, WorkerFailed
-from gateway.relay import relay
+from gateway.relay import relay_reads
 from gateway.responses import kvpool_extra
 from gateway.responses_api.items import OutputBuilder, new_id
 from gateway.responses_api.prepare import Turn
@@ -111,20 +112,23 @@ class Run:
                 log.info("responses.dropped", extra={"tenant": self.tenant.id, "responses": dropped, "reason": "byte budget"})
         return body, events
 
-    async def _events(self, request: Request, job: Submitted) -> AsyncGenerator[TokenEvent | JobResult]:
-        async for ev in relay(self.gw.relay_context(request, job.prepared, job.job_id, job.t0, "responses")):
-            if isinstance(ev, JobResult):
-                job.done = True
-            yield ev
+    async def _events(self, request: Request, job: Submitted) -> AsyncGenerator[list[TokenEvent] | JobResult]:
+        """The job's new tokens of each read of its stream (`relay_reads`), then its result."""
+        async with contextlib.aclosing(relay_reads(self.gw.relay_context(request, job.prepared, job.job_id, job.t0, "responses"))) as reads:
+            async for got in reads:
+                if isinstance(got, JobResult):
+                    job.done = True
+                yield got
 
     async def whole(self, request: Request, job: Submitted) -> dict[str, Any]:
         result = None
         try:
-            async for ev in self._events(request, job):
-                if isinstance(ev, TokenEvent):
-                    self.output.push(ev.text)
+            async for got in self._events(request, job):
+                if isinstance(got, JobResult):
+                    result = got
                 else:
-                    result = ev
+                    for t in got:
+                        self.output.push(t.text)
         finally:
             await cancel_unfinished(self.gw, [job])
         if result is None:
@@ -144,15 +148,13 @@ class Run:
         yield event({"type": "response.in_progress", "response": self.body()})
         events = self._events(request, job)
         try:
-            async for ev in events:
-                if isinstance(ev, TokenEvent):
-                    for e in self.output.push(ev.text):
-                        yield event(e)
+            async for got in events:
+                if not isinstance(got, JobResult):
+                    if frames := b"".join(event(e) for t in got for e in self.output.push(t.text)):
+                        yield frames  # the tokens of one read in one write to the socket
                     continue
-                body, last = await self._finish(ev)
-                for e in last:
-                    yield event(e)
-                yield event({"type": f"response.{body['status']}", "response": body})
+                body, last = await self._finish(got)
+                yield b"".join([*(event(e) for e in last), event({"type": f"response.{body['status']}", "response": body})])
         except (APIError, redis.RedisError) as e:
             err = e if isinstance(e, APIError) else Overloaded(f"the job queue (Redis) was lost mid-stream: {type(e).__name__}")
             log.warning("stream.failed", extra={"job": job.job_id, "status": err.status, "reason": err.message})
