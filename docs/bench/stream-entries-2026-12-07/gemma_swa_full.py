@@ -1,10 +1,11 @@
-"""Gemma 3 270M's W1 at one client on llama-server with and without a full-size sliding-window cache (``--swa-full``).
+"""Gemma 3 270M's W1 at one client on llama-server as it starts, with a full-size sliding-window cache, and with flash attention off too.
 
 kvpool keeps Gemma's sliding-window layers' cells for the whole context (llama.cpp's full-size
-SWA cache), which its whole-state checkpoints need. This runs `kvpool bench-peers`' W1 (a
+SWA cache), which its whole-state checkpoints need, and turns flash attention off for a
+sliding-window model (`worker.engine.context.flash_attn_for`). This runs `kvpool bench-peers`' W1 (a
 shared 1,100-word system prompt, 12 questions, the template's end of turn as stop) against
-llama-server 1 slot, alternately without and with ``--swa-full``, each started afresh and
-warmed up, so the cost of that cache to a token is measured on llama-server itself.
+llama-server 1 slot started three ways in turn, each afresh and warmed up, so what each of
+those choices costs a token is measured on llama-server itself.
 
     python docs/bench/stream-entries-2026-12-07/gemma_swa_full.py [rounds]
 """
@@ -30,7 +31,7 @@ def main(rounds: int) -> None:
     args = ["-m", str(MODEL), "-t", "2", "-tb", "2", "-c", "4096", "-np", "1"]
     with tempfile.TemporaryDirectory() as logs:
         for r in range(rounds):
-            for extra in ([], ["--swa-full"]):
+            for extra in ([], ["--swa-full"], ["--swa-full", "--flash-attn", "off"]):
                 server = LlamaServer(BINARY, args + extra, Path(logs) / f"server-{r}-{len(extra)}.log")
                 server.spawn()
                 try:
@@ -39,7 +40,7 @@ def main(rounds: int) -> None:
                     run = run_workload("llama-server", [server.url], w1, 1)
                 finally:
                     server.stop()
-                label = "--swa-full" if extra else "default   "
+                label = " ".join(extra) or "default"
                 print(
                     f"round {r} {label}: W1 c=1 {run.wall_s:6.2f} s, {run.completion_tokens} tokens, "
                     f"first request's TTFT {run.ttft_s[0]:.2f} s, TTFT p50 {run.ttft_p50 * 1000:.0f} ms",
