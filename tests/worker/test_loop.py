@@ -214,3 +214,38 @@ def test_a_prompt_piece_and_a_restore_record_what_the_cells_hold_in_the_task_tha
     assert view.n_tokens == 6 and view.input_ids[:6].tolist() == [5, 6, 7, 8, 9, 10]
     assert set(view.set_by) == {"kvpool-loop"}, f"set by {view.set_by}: the clear and the load, each in its task"
     assert positions(loop, 0) == (0, 5)
+
+
+def test_a_job_that_gives_up_as_its_prompt_piece_is_recorded_keeps_cells_and_records_together(loop: EngineLoop) -> None:
+    """A job timeout reaching the job's thread while the loop records its finished piece: the piece is done, not abandoned,
+    so its cells are not purged under records that say they are held."""
+    view = SeqView(loop, 0, 2, 256)
+    view.eval([5, 6, 7, 8])
+    recording, arrived = threading.Event(), threading.Event()
+
+    class JobTimeout(Exception):  # raised in the job's thread as RQ's timeout is: asynchronously
+        def __init__(self) -> None:
+            arrived.set()
+
+    def record(req: Request) -> None:
+        recording.set()
+        arrived.wait(30)  # the timeout reaches the job's thread while the loop records
+        view._record(req)
+
+    outcome: list[BaseException] = []
+
+    def job() -> None:
+        try:
+            loop.decode(0, [9, 10, 11], 4, record=record)
+        except JobTimeout as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    poll(recording.is_set, "the loop recording the piece")
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident or 0), ctypes.py_object(JobTimeout))
+    thread.join(30)
+    assert not thread.is_alive() and len(outcome) == 1
+    poll(lambda: loop.pending() == 0, "the loop idle")
+    assert view.n_tokens == 7 and view.input_ids[:7].tolist() == [5, 6, 7, 8, 9, 10, 11]
+    assert positions(loop, 0) == (0, 6), "the recorded piece's cells are there"

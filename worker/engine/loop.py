@@ -155,9 +155,10 @@ class EngineLoop:
                     raise LoopClosed("the engine loop's thread died")
         except BaseException:
             with self._cv:
-                req.abandoned = True
-                if req.chain is not None:
-                    req.chain.abandoned = True
+                if not done.is_set():  # done (and recorded, `_collect`): its cells and records stay, as any finished request's
+                    req.abandoned = True
+                    if req.chain is not None:
+                        req.chain.abandoned = True
                 self._cv.notify_all()
             while req.chain is not None and not done.wait(WAIT_S) and self._thread.is_alive():
                 pass  # the loop may be advancing it: its records are the loop's until it lets go
@@ -468,9 +469,10 @@ class EngineLoop:
             if not req.rows:
                 ptr = llama_cpp.llama_get_logits_ith(ctx, first + n - 1)
                 req.out = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
-            if req.record is not None and not req.dropped:
-                req.record(req)
-            req.finished.set()
+            with self._cv:  # the record and the wake-up together: a job that gives up after this finds its request done (`_await`)
+                if req.record is not None and not req.dropped:
+                    req.record(req)
+                req.finished.set()
 
 
 def token_data(n_vocab: int) -> tuple[ctypes.Array, np.ndarray]:
