@@ -79,16 +79,6 @@ class StreamReader:
         finally:
             self._unsubscribe(sub)
 
-    async def events(self, job_id: str) -> AsyncGenerator[Event | None]:
-        """`batches`, an event at a time."""
-        async with contextlib.aclosing(self.batches(job_id)) as batches:
-            async for batch in batches:
-                if batch is None:
-                    yield None
-                    continue
-                for event in batch:
-                    yield event
-
     async def close(self) -> None:
         self._closing = True
         self._changed.set()

@@ -21,7 +21,7 @@ def _done(n: int) -> DoneEvent:
 
 
 async def _collect(reader: StreamReader, job: str) -> list[str]:
-    return [e.text async for e in reader.events(job) if isinstance(e, TokenEvent)]
+    return [e.text async for batch in reader.batches(job) for e in batch or [] if isinstance(e, TokenEvent)]
 
 
 def test_four_streams_answered_together_are_written_together_and_read_by_one_read_and_each_gets_all_of_its_own(redis_url: str) -> None:
@@ -85,8 +85,8 @@ def test_a_quiet_stream_yields_none_each_block_so_the_relay_can_check_its_client
     async def run() -> int:
         reader = StreamReader(redis.asyncio.Redis.from_url(redis_url), block_ms=100)
         ticks = 0
-        async for event in reader.events("silent"):
-            assert event is None
+        async for batch in reader.batches("silent"):
+            assert batch is None
             ticks += 1
             if ticks == 3:
                 break

@@ -164,7 +164,7 @@ def test_closing_waits_for_the_write_in_flight_so_nothing_of_the_attempt_lands_a
 async def _atexts(conn: redis.asyncio.Redis, job_id: str) -> list[str]:
     reader = StreamReader(conn)  # the gateway's reader of job streams
     try:
-        return [e.text async for e in reader.events(job_id) if isinstance(e, TokenEvent)]
+        return [e.text async for batch in reader.batches(job_id) for e in batch or [] if isinstance(e, TokenEvent)]
     finally:
         await reader.close()
 

@@ -153,14 +153,14 @@ def test_reading_a_job_stream_resumes_after_a_redis_restart(own_redis: RedisServ
         aconn = redis.asyncio.Redis(port=own_redis.port, socket_connect_timeout=1, retry=AsyncRetry(NoBackoff(), 0))
         got: list[Any] = []
         reader = StreamReader(aconn, block_ms=200)  # the gateway's reader of job streams
-        async for ev in reader.events("read-across"):
-            got.append(ev)
-            if isinstance(ev, StartEvent):
-                await asyncio.to_thread(own_redis.stop)
-            elif ev is None and len(servers) == 1:
+        async for batch in reader.batches("read-across"):
+            got.extend(batch or [None])
+            if batch is None and len(servers) == 1:
                 servers.append(await asyncio.to_thread(RedisServer(tmp_path / "redis", port=own_redis.port).start))
                 await asyncio.to_thread(writer.send, TokenEvent(text="b", token=2))
-            elif isinstance(ev, TokenEvent):
+            elif any(isinstance(ev, StartEvent) for ev in batch or []):
+                await asyncio.to_thread(own_redis.stop)
+            if any(isinstance(ev, TokenEvent) for ev in batch or []):
                 break
         await reader.close()
         await aconn.aclose()
