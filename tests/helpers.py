@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -35,6 +36,7 @@ from worker.advert import adverts
 from worker.client import events, submit
 from worker.engine.decoding import DecodeMode, choose_mode, decode_step
 from worker.engine.llama_state import evaluate_prompt, last_logits
+from worker.engine.loop import EngineLoop
 from worker.protocol import DoneEvent, ErrorEvent, JobResult, JobSpec, SamplingParams, StartEvent, TokenEvent, job_spec, worker_queue
 from worker.settings import WorkerSettings
 
@@ -347,3 +349,31 @@ def poll(done: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
     while not done():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
+
+
+def in_one_round(loop: EngineLoop, *asks: Callable[[], object]) -> list[object]:
+    """Run ``asks`` (decodes, each in a thread) in one round: the loop is held by a task until every one has queued."""
+    running, gate = threading.Event(), threading.Event()
+    out: list[object] = [None] * len(asks)
+
+    def hold(llm: llama_cpp.Llama) -> None:
+        running.set()
+        gate.wait(30)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = asks[i]()
+        except Exception as e:
+            out[i] = e
+
+    holder = threading.Thread(target=loop.run, args=(0, hold))
+    holder.start()
+    running.wait(30)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(asks))]
+    for i, t in enumerate(threads, start=1):
+        t.start()
+        poll(lambda i=i: loop.pending() == i, "the request queued behind the held loop")
+    gate.set()
+    for t in [holder, *threads]:
+        t.join(60)
+    return out

@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio
 
 from gateway.streams import StreamReader
-from tests.helpers import poll
+from tests.helpers import in_one_round, poll
 from tests.redis_faults import ReplyLosingProxy
 from worker.client import Event, entry_events, events, take_events
+from worker.engine.context import Context
+from worker.engine.rounds import Request
 from worker.process.jobs import Emitter, JobStream
 from worker.protocol import DoneEvent, JobResult, Once, StartEvent, Timings, TokenEvent, Usage, cancel_key, entry, stream_key
+from worker.settings import WorkerSettings
 
 
 def _result() -> JobResult:
@@ -213,3 +218,35 @@ def test_an_emitter_whose_thread_dies_is_reported_and_the_next_token_gets_a_new_
     stream.send(TokenEvent(text="b", token=2))
     assert Emitter.shared() is not emitter and Emitter.shared().thread.is_alive(), "a new emitter for the tokens that follow"
     poll(lambda: _texts(conn, "emitter-dies") == ["a", "b"], "both tokens written, in order, by the new emitter")
+
+
+def test_the_tokens_of_one_round_go_out_in_one_write_whichever_connection_each_job_came_with(redis_url: str, tiny_model: Path) -> None:
+    """Each RQ thread has its own Redis connection; the emitter writes the round's step of every job in one pipeline, once the round's last token is sent."""
+    context = Context(WorkerSettings(model=str(tiny_model), parallel=2, n_ctx=256, n_threads=1), tiny_model)
+    loop, emitter, rounds = context.loop, Emitter.shared(), 6
+    streams = [JobStream(redis.Redis.from_url(redis_url), f"round-{seq}", ttl_s=60, interval_s=0.0) for seq in (0, 1)]
+    steps, last_round, before = {0: 0, 1: 0}, [-1], emitter.writes
+    try:
+        for seq, stream in enumerate(streams):
+            stream.send(StartEvent(attempt=1, worker="w"))
+            loop.decode(seq, [5, 6, 7, 8], 0)
+
+        def advance(req: Request) -> tuple[list[int], int] | None:
+            steps[req.seq] += 1
+            streams[req.seq].send(TokenEvent(text=f"{req.seq}.{steps[req.seq]}", token=steps[req.seq]))
+            if loop.rounds != last_round[0]:  # the round's first token: the emitter is given 50 ms to write it alone, and must not
+                last_round[0], written, until = loop.rounds, emitter.writes, time.monotonic() + 0.05
+                while emitter.writes == written and time.monotonic() < until:
+                    time.sleep(0.005)
+            return ([1], req.pos + 1) if steps[req.seq] < rounds else None
+
+        in_one_round(loop, lambda: loop.generate(0, [1], 4, advance), lambda: loop.generate(1, [1], 4, advance))
+        for seq, stream in enumerate(streams):
+            stream.send(DoneEvent(result=_result()))
+            stream.close()
+            assert _texts(stream.conn, f"round-{seq}")[1:-1] == [f"{seq}.{n}" for n in range(1, rounds + 1)], (
+                "each job's tokens, once, in order"
+            )
+    finally:
+        context.close()
+    assert emitter.writes - before <= rounds, f"{emitter.writes - before} writes for {rounds} rounds of two jobs: one a round"

@@ -17,10 +17,10 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from tests.helpers import poll
+from tests.helpers import in_one_round, poll
 from worker.engine.context import Context
 from worker.engine.llama_state import read_seq_state, restore_seq_state
-from worker.engine.loop import EngineLoop
+from worker.engine.loop import EngineLoop, after_round
 from worker.engine.rounds import Request
 from worker.engine.sequence import SeqView
 from worker.settings import WorkerSettings
@@ -39,34 +39,6 @@ def positions(loop: EngineLoop, seq: int) -> tuple[int, int]:
         return llama_cpp.llama_memory_seq_pos_min(mem, seq), llama_cpp.llama_memory_seq_pos_max(mem, seq)
 
     return loop.run(seq, read)
-
-
-def in_one_round(loop: EngineLoop, *asks: Callable[[], object]) -> list[object]:
-    """Run ``asks`` (decodes, each in a thread) in one round: the loop is held by a task until every one has queued."""
-    running, gate = threading.Event(), threading.Event()
-    out: list[object] = [None] * len(asks)
-
-    def hold(llm: llama_cpp.Llama) -> None:
-        running.set()
-        gate.wait(30)
-
-    def run(i: int) -> None:
-        try:
-            out[i] = asks[i]()
-        except Exception as e:
-            out[i] = e
-
-    holder = threading.Thread(target=loop.run, args=(0, hold))
-    holder.start()
-    running.wait(30)
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(asks))]
-    for i, t in enumerate(threads, start=1):
-        t.start()
-        poll(lambda i=i: loop.pending() == i, "the request queued behind the held loop")
-    gate.set()
-    for t in [holder, *threads]:
-        t.join(60)
-    return out
 
 
 @pytest.mark.fp_path  # the neighbour's logits are compared bit for bit with its step decoded alone
@@ -249,3 +221,27 @@ def test_a_job_that_gives_up_as_its_prompt_piece_is_recorded_keeps_cells_and_rec
     poll(lambda: loop.pending() == 0, "the loop idle")
     assert view.n_tokens == 7 and view.input_ids[:7].tolist() == [5, 6, 7, 8, 9, 10, 11]
     assert positions(loop, 0) == (0, 6), "the recorded piece's cells are there"
+
+
+def test_what_a_rounds_tokens_ask_for_runs_once_after_every_chain_of_the_round_has_sent_its_token(loop: EngineLoop) -> None:
+    """`after_round`: the worker's stream write waits for the round's last token, so one write carries every sequence's step."""
+    prompt = [5, 6, 7, 8]
+    for seq in (0, 1):
+        loop.decode(seq, prompt, 0)
+    sent: list[int] = []
+    writes: list[list[int]] = []
+    steps = {0: 0, 1: 0}
+
+    def write() -> None:
+        writes.append(sorted(sent))
+        sent.clear()
+
+    def advance(req: Request) -> tuple[list[int], int] | None:
+        sent.append(req.seq)
+        assert after_round(write), "asked while the loop advances a round"
+        steps[req.seq] += 1
+        return ([1], req.pos + 1) if steps[req.seq] < 6 else None
+
+    assert not after_round(write), "outside a round (a job's thread): the caller writes at once"
+    in_one_round(loop, lambda: loop.generate(0, [1], len(prompt), advance), lambda: loop.generate(1, [1], len(prompt), advance))
+    assert writes == [[0, 1]] * 6, "one write a round, after both sequences' tokens, however many tokens asked for it"

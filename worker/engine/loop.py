@@ -31,6 +31,11 @@ the step that decodes it, all before the next round (`_advance`), as llama-serve
 choice, when it ends, not once a token; the sequence's records (tokens held, logits)
 change with its cells, on this thread. Since a chain's next step is queued before the
 next round, the sequences that generate keep decoding together with no wait between rounds.
+
+**One output per round.** What a round's tokens set off outside the loop (the write of every
+job's stream, `worker.process.jobs.Emitter`) waits until the round's last chain has sent its
+token (`after_round`), so one write carries the step of every sequence, as vLLM's engine
+core sends one output message per step; it then runs while the next round decodes.
 """
 
 from __future__ import annotations
@@ -58,6 +63,24 @@ WAIT_S = 0.05
 
 Watch = Callable[[], str | None]
 """Why the job should stop now (its client cancelled, ...), or None: asked between prompt pieces."""
+
+_round = threading.local()
+"""``pending``: what runs once the round being advanced on this thread has sent every token (`after_round`)."""
+
+
+def after_round(fn: Callable[[], None]) -> bool:
+    """Run ``fn`` once the loop has advanced every chain of the round it is advancing on this thread; False outside one.
+
+    Called while a chain sends its token: ``fn`` (once, however many tokens asked for it)
+    then runs when every chain of the round has sent its own, before the next round. False
+    where no round is being advanced on this thread (a job's thread sends its first token):
+    the caller runs it at once.
+    """
+    pending: dict[Callable[[], None], None] | None = getattr(_round, "pending", None)
+    if pending is None:
+        return False
+    pending[fn] = None
+    return True
 
 
 class LoopClosed(RuntimeError):
@@ -312,6 +335,7 @@ class EngineLoop:
     def _advance(self, chained: list[Request]) -> None:
         """Each chain's next step, sampled now and queued for the next round; a chain that is done, failed or abandoned ends."""
         steps: list[Request] = []
+        _round.pending = {}
         for req in chained:
             chain = req.chain
             assert chain is not None
@@ -335,6 +359,9 @@ class EngineLoop:
                 else:  # one abandoned meanwhile is queued too: dropped at once, its cells purged as any other's
                     self._queue.append(req)
             self._cv.notify_all()
+        pending, _round.pending = _round.pending, None
+        for fn in pending:  # the round's tokens are all sent: what they asked for runs once (`after_round`)
+            fn()
 
     def _call_or_split(self, call: list[Piece], kind: CallKind) -> None:
         """`_call`; where llama.cpp refuses it, the call's pieces again in two halves, down to one: only the request at fault fails.

@@ -24,6 +24,7 @@ from rq.job import Job
 
 from worker import metrics
 from worker.advert import adverts
+from worker.engine.loop import after_round
 from worker.errors import JobAborted, JobRejected
 from worker.protocol import DoneEvent, ErrorEvent, JobSpec, StartEvent, TokenEvent, cancel_key, entry, stream_key, worker_queue
 from worker.redis_retry import ride_out
@@ -188,7 +189,7 @@ class Emitter:
 
     When the first stream with held tokens is due (its ``interval_s`` after its last write,
     or at once for its first token), every stream holding tokens is written, in one
-    pipeline per Redis connection: one entry per stream with all its tokens, then one MGET
+    pipeline per Redis server (each RQ thread has its own connection; the streams of all of them share the write): one entry per stream with all its tokens, then one MGET
     of every client's cancel, so one round trip carries the step of every sequence and reads
     every cancel.
     A stream whose own event is being written by its job (`JobStream.send`) is skipped: that
@@ -212,6 +213,8 @@ class Emitter:
         self.pid = os.getpid()
         self._cv = threading.Condition()
         self._dirty: set[JobStream] = set()
+        self._in_round: set[JobStream] = set()
+        """Streams given tokens by the round the engine loop is advancing: held until its last token is sent."""
         self._until = -math.inf
         """When the waiting emitter wakes next (inf: when told; -inf: it is not waiting)."""
         self.writes = 0
@@ -220,10 +223,26 @@ class Emitter:
         self.thread.start()
 
     def wake(self, stream: JobStream) -> None:
-        """``stream`` holds tokens: the emitter wakes only if it is due before the emitter would wake anyway (not once a token)."""
+        """``stream`` holds tokens: the emitter wakes only if it is due before the emitter would wake anyway (not once a token).
+
+        A token the engine loop sends as it advances a round counts once the round's last
+        token is sent (`worker.engine.loop.after_round`): one write carries every sequence's step.
+        """
+        if after_round(self._round_sent):
+            with self._cv:
+                self._in_round.add(stream)
+            return
+        self._hold([stream])
+
+    def _round_sent(self) -> None:
         with self._cv:
-            self._dirty.add(stream)
-            if stream.written_at + stream.interval_s < self._until:
+            streams, self._in_round = list(self._in_round), set()
+        self._hold(streams)
+
+    def _hold(self, streams: list[JobStream]) -> None:
+        with self._cv:
+            self._dirty.update(streams)
+            if any(s.written_at + s.interval_s < self._until for s in streams):
                 self._cv.notify()
 
     def _supervised(self) -> None:
@@ -242,14 +261,14 @@ class Emitter:
                     self._cv.wait(None if not self._dirty else max(0.0, due - time.monotonic()))
                 self._until = -math.inf  # writing: a stream that holds tokens meanwhile is seen when it is done
                 batch, self._dirty = self._dirty, set()
-            by_conn: dict[int, list[JobStream]] = {}
+            by_server: dict[tuple[object, ...], list[JobStream]] = {}
             for s in batch:
-                by_conn.setdefault(id(s.conn), []).append(s)
-            for streams in by_conn.values():
+                by_server.setdefault(_server(s.conn), []).append(s)
+            for streams in by_server.values():
                 self._write(streams)
 
     def _write(self, streams: list[JobStream]) -> None:
-        """One pipeline of these streams' held tokens and cancel checks (one Redis connection); each stream's lock held throughout."""
+        """One pipeline of these streams' held tokens and cancel checks (one Redis server); each stream's lock held throughout."""
         taken: list[tuple[JobStream, list[tuple[int, str]]]] = []
         for s in streams:
             if not s._writing.acquire(blocking=False):
@@ -290,6 +309,12 @@ class Emitter:
             for s, _ in taken:
                 s.written_at = now
                 s._writing.release()
+
+
+def _server(conn: redis.Redis) -> tuple[object, ...]:
+    """The Redis server ``conn`` reaches: the streams of every job on it share a pipeline, whichever RQ thread's connection they came with."""
+    kw = conn.connection_pool.connection_kwargs
+    return kw.get("host"), kw.get("port"), kw.get("path"), kw.get("db", 0), kw.get("username")
 
 
 def run_job(spec: dict) -> dict:
