@@ -10,7 +10,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,11 +19,10 @@ sys.path.insert(0, str(tree))
 
 import httpx  # noqa: E402
 
-from gateway.pool.bench.peers import BenchPoolSettings, _warm_up  # noqa: E402
-from gateway.pool.procs import free_port  # noqa: E402
-from gateway.pool.up import LocalPool  # noqa: E402
+sys.path.insert(0, str(ROOT / "docs" / "bench" / "c1-2026-12-06"))
+sys.path.insert(0, str(ROOT / "docs" / "bench" / "stream-entries-2026-12-07"))
+from cpu_threads import warm_pool  # noqa: E402
 
-MODEL = ROOT / ".kvpool/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 SYSTEM = " ".join(f"rule {i}: be kind and brief." for i in range(150))
 
 
@@ -48,18 +46,10 @@ def one(client: httpx.Client, url: str, name: str, i: int) -> tuple[float, float
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as state:
-        settings = BenchPoolSettings(model=str(MODEL), port=free_port(), n_ctx=4096, state_dir=Path(state))
-        pool = LocalPool(settings, workers=1, threads=2, say=lambda _: None, inherit_settings=False, worker_env={})
-        try:
-            url, name = pool.start().url, MODEL.name.removesuffix(".gguf")
-            _warm_up([url], name)
-            with httpx.Client(timeout=60) as client:
-                runs = [one(client, url, name, i) for i in range(25)][1:]
-            ttft, total = (statistics.median(x) * 1000 for x in zip(*runs, strict=True))
-            print(f"{tree.name}: ttft p50 {ttft:.1f} ms, total p50 {total:.1f} ms")
-        finally:
-            pool.stop()
+    with warm_pool() as (_, url, name), httpx.Client(timeout=60) as client:
+        runs = [one(client, url, name, i) for i in range(25)][1:]
+    ttft, total = (statistics.median(x) * 1000 for x in zip(*runs, strict=True))
+    print(f"{tree.name}: ttft p50 {ttft:.1f} ms, total p50 {total:.1f} ms")
 
 
 if __name__ == "__main__":

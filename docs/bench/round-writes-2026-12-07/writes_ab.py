@@ -12,7 +12,6 @@ named by ``py-spy dump``, ``PYSPY``), Redis's command counts from ``INFO command
 
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,14 +22,11 @@ tree = Path(os.environ.get("TREE", ROOT))
 sys.path.insert(0, str(tree))
 sys.path.insert(0, str(ROOT / "docs" / "bench" / "c1-2026-12-06"))
 sys.path.insert(0, str(ROOT / "docs" / "bench" / "stream-entries-2026-12-07"))
-from cpu_threads import names  # noqa: E402
+from cpu_threads import names, warm_pool  # noqa: E402
 from system_c1 import cpu_by_thread, label  # noqa: E402
 
-from gateway.pool.bench.peers import BenchPoolSettings, _warm_up, decode_run  # noqa: E402
-from gateway.pool.procs import free_port  # noqa: E402
-from gateway.pool.up import LocalPool  # noqa: E402
+from gateway.pool.bench.peers import decode_run  # noqa: E402
 
-MODEL = ROOT / ".kvpool/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 COMMANDS = ("mget", "xadd", "xread")
 
 
@@ -40,38 +36,30 @@ def commands(conn: redis.Redis) -> dict[str, int]:
 
 def main() -> None:
     conc = int(os.environ.get("CONC", "4"))
-    with tempfile.TemporaryDirectory() as state:
-        settings = BenchPoolSettings(model=str(MODEL), port=free_port(), n_ctx=4096, state_dir=Path(state))
-        pool = LocalPool(settings, workers=1, threads=2, say=lambda _: None, inherit_settings=False, worker_env={})
-        try:
-            url = pool.start().url
-            conn = redis.Redis.from_url(pool.redis.url)
-            name = MODEL.name.removesuffix(".gguf")
-            _warm_up([url], name)
-            before, calls, t0 = cpu_by_thread(), commands(conn), time.perf_counter()
-            run = decode_run("x", [url], name, requests=4 * conc, concurrency=conc, max_tokens=256)
-            wall, after, calls_after = time.perf_counter() - t0, cpu_by_thread(), commands(conn)
-            per = 4096 / run.completion_tokens
-            worker_threads = {pid: names(pid) for pid in {pid for (pid, _), (cmd, _) in after.items() if label(cmd) == "kvpool worker"}}
-            cpu = {"gateway": 0.0, "emitter": 0.0, "redis": 0.0}
-            for (pid, tid), (cmd, used) in after.items():
-                used = (used - before.get((pid, tid), ("", 0.0))[1]) * per
-                part = label(cmd)
-                if part == "kvpool gateway":
-                    cpu["gateway"] += used
-                elif part == "redis-server":
-                    cpu["redis"] += used
-                elif part == "kvpool worker" and worker_threads[pid].get(tid) == "kvpool-emitter":
-                    cpu["emitter"] += used
-            counts = {c: round((calls_after.get(c, 0) - calls.get(c, 0)) * per) for c in COMMANDS}
-            print(
-                f"{tree.name:6s} {conc} clients  {run.completion_tokens / wall:6.1f} tokens/s  CPU s per 4,096 tokens: "
-                + "  ".join(f"{k} {v:.2f}" for k, v in cpu.items())
-                + "  commands per 4,096 tokens: "
-                + "  ".join(f"{k} {v}" for k, v in counts.items())
-            )
-        finally:
-            pool.stop()
+    with warm_pool() as (pool, url, name):
+        conn = redis.Redis.from_url(pool.redis.url)
+        before, calls, t0 = cpu_by_thread(), commands(conn), time.perf_counter()
+        run = decode_run("x", [url], name, requests=4 * conc, concurrency=conc, max_tokens=256)
+        wall, after, calls_after = time.perf_counter() - t0, cpu_by_thread(), commands(conn)
+        per = 4096 / run.completion_tokens
+        worker_threads = {pid: names(pid) for pid in {pid for (pid, _), (cmd, _) in after.items() if label(cmd) == "kvpool worker"}}
+        cpu = {"gateway": 0.0, "emitter": 0.0, "redis": 0.0}
+        for (pid, tid), (cmd, used) in after.items():
+            used = (used - before.get((pid, tid), ("", 0.0))[1]) * per
+            part = label(cmd)
+            if part == "kvpool gateway":
+                cpu["gateway"] += used
+            elif part == "redis-server":
+                cpu["redis"] += used
+            elif part == "kvpool worker" and worker_threads[pid].get(tid) == "kvpool-emitter":
+                cpu["emitter"] += used
+        counts = {c: round((calls_after.get(c, 0) - calls.get(c, 0)) * per) for c in COMMANDS}
+        print(
+            f"{tree.name:6s} {conc} clients  {run.completion_tokens / wall:6.1f} tokens/s  CPU s per 4,096 tokens: "
+            + "  ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+            + "  commands per 4,096 tokens: "
+            + "  ".join(f"{k} {v}" for k, v in counts.items())
+        )
 
 
 if __name__ == "__main__":

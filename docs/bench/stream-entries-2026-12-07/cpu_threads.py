@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -41,8 +43,9 @@ def names(pid: str) -> dict[str, str]:
     return {m.group(1): m.group(2) for m in re.finditer(r"Thread (\d+) \([^)]*\): \"([^\"]+)\"", out)}
 
 
-def main() -> None:
-    conc = int(os.environ.get("CONC", "4"))
+@contextmanager
+def warm_pool() -> Iterator[tuple[LocalPool, str, str]]:
+    """One default worker (SmolLM2, 2 threads), its gateway and Redis, warmed up as `kvpool bench-peers` does: pool, URL, model name."""
     with tempfile.TemporaryDirectory() as state:
         settings = BenchPoolSettings(model=str(MODEL), port=free_port(), n_ctx=4096, state_dir=Path(state))
         pool = LocalPool(settings, workers=1, threads=2, say=lambda _: None, inherit_settings=False, worker_env={})
@@ -50,21 +53,27 @@ def main() -> None:
             url = pool.start().url
             name = MODEL.name.removesuffix(".gguf")
             _warm_up([url], name)
-            before, t0 = cpu_by_thread(), time.perf_counter()
-            run = decode_run("x", [url], name, requests=4 * conc, concurrency=conc, max_tokens=256)
-            wall, after = time.perf_counter() - t0, cpu_by_thread()
-            per = 4096 / run.completion_tokens
-            thread_names = {pid: names(pid) for (pid, _), (cmd, _) in after.items() if label(cmd) in PARTS[:2]}
-            print(f"{tree.name} at {conc} clients: {run.completion_tokens / wall:.1f} tokens/s; CPU s per 4,096 tokens:")
-            rows = []
-            for (pid, tid), (cmd, cpu) in after.items():
-                used = (cpu - before.get((pid, tid), ("", 0.0))[1]) * per
-                if used > 0.02 and label(cmd) in PARTS:
-                    rows.append((used, label(cmd), thread_names.get(pid, {}).get(tid, tid)))
-            for used, part, thread in sorted(rows, reverse=True):
-                print(f"  {used:6.2f}  {part:15s} {thread}")
+            yield pool, url, name
         finally:
             pool.stop()
+
+
+def main() -> None:
+    conc = int(os.environ.get("CONC", "4"))
+    with warm_pool() as (_, url, name):
+        before, t0 = cpu_by_thread(), time.perf_counter()
+        run = decode_run("x", [url], name, requests=4 * conc, concurrency=conc, max_tokens=256)
+        wall, after = time.perf_counter() - t0, cpu_by_thread()
+        per = 4096 / run.completion_tokens
+        thread_names = {pid: names(pid) for (pid, _), (cmd, _) in after.items() if label(cmd) in PARTS[:2]}
+        print(f"{tree.name} at {conc} clients: {run.completion_tokens / wall:.1f} tokens/s; CPU s per 4,096 tokens:")
+        rows = []
+        for (pid, tid), (cmd, cpu) in after.items():
+            used = (cpu - before.get((pid, tid), ("", 0.0))[1]) * per
+            if used > 0.02 and label(cmd) in PARTS:
+                rows.append((used, label(cmd), thread_names.get(pid, {}).get(tid, tid)))
+        for used, part, thread in sorted(rows, reverse=True):
+            print(f"  {used:6.2f}  {part:15s} {thread}")
 
 
 if __name__ == "__main__":
