@@ -241,12 +241,14 @@ def test_the_tokens_of_one_round_go_out_in_one_write_whichever_connection_each_j
             return ([1], req.pos + 1) if steps[req.seq] < rounds else None
 
         in_one_round(loop, lambda: loop.generate(0, [1], 4, advance), lambda: loop.generate(1, [1], 4, advance))
-        for seq, stream in enumerate(streams):
+        tokens = [[f"{seq}.{n}" for n in range(1, rounds + 1)] for seq in (0, 1)]
+        poll(
+            lambda: [_texts(s.conn, f"round-{seq}")[1:] for seq, s in enumerate(streams)] == tokens,
+            "every token in its stream, once, in order, written by the emitter (none waits for the job's next event)",
+        )
+        for stream in streams:
             stream.send(DoneEvent(result=_result()))
             stream.close()
-            assert _texts(stream.conn, f"round-{seq}")[1:-1] == [f"{seq}.{n}" for n in range(1, rounds + 1)], (
-                "each job's tokens, once, in order"
-            )
     finally:
         context.close()
     assert emitter.writes - before <= rounds, f"{emitter.writes - before} writes for {rounds} rounds of two jobs: one a round"
