@@ -15,7 +15,7 @@ writer's, counted from 1 (`entry`, `Once`):
 
 The first token is written as soon as it is sampled. Tokens that follow it within
 ``KVPOOL_STREAM_INTERVAL_MS`` of the last write wait for the next write and go in one
-entry, so a reader gets them in one reply (`worker.process.jobs.JobStream`). The stream is
+entry, so a reader gets them in one reply (`worker.process.jobstream.JobStream`). The stream is
 trimmed to a bounded length and expires a while after its last entry. A client that goes
 away sets ``kvpool:cancel:<job id>``; the worker checks it at every write and stops within
 that interval.
@@ -64,7 +64,7 @@ class Once:
       number is not above the last seen from its writer repeats one (a write retried after
       Redis applied it but lost its reply, or events a failed write left to the next):
       `take` leaves it out.
-    * Each attempt writes through a writer of its own (`worker.process.jobs.JobStream`) and starts
+    * Each attempt writes through a writer of its own (`worker.process.jobstream.JobStream`) and starts
       with a start event. RQ may retry a job whose first attempt still runs (its heartbeat
       lapsed during a Redis pause), and then both write to the stream: `current` is False
       for any entry of a writer other than the one whose start came last, so a reader

@@ -2,7 +2,7 @@
 
 RQ retries a job whose heartbeat lapsed (a Redis pause of several seconds, a heartbeat thread
 that died) while its first attempt may still run: both then write to the job's stream. Real
-Redis; the events are written by two `worker.process.jobs.JobStream` writers, as two attempts write them.
+Redis; the events are written by two `worker.process.jobstream.JobStream` writers, as two attempts write them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from gateway.relay import RelayContext, relay, relay_reads
 from gateway.streams import StreamReader
 from tests.helpers import poll
 from worker.client import events
-from worker.process.jobs import JobStream
+from worker.process.jobstream import JobStream
 from worker.protocol import DoneEvent, JobResult, StartEvent, Timings, TokenEvent, Usage, stream_key
 
 JOB = "two-attempts"

@@ -1,6 +1,6 @@
 """A gateway reads every job stream it relays with one blocking read at a time (`gateway.streams.StreamReader`).
 
-Real Redis; the events are written as a worker writes them (`worker.process.jobs.JobStream`).
+Real Redis; the events are written as a worker writes them (`worker.process.jobstream.JobStream`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import redis
 import redis.asyncio
 
 from gateway.streams import StreamReader
-from worker.process.jobs import Emitter, JobStream
+from worker.process.jobstream import Emitter, JobStream
 from worker.protocol import DoneEvent, JobResult, StartEvent, Timings, TokenEvent, Usage
 
 

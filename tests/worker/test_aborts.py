@@ -4,7 +4,7 @@ In-process, on the real model (SmolLM2-135M-Instruct): one engine opens a contex
 sequences, as a worker with ``KVPOOL_PARALLEL=2`` does. A job on sequence 0 is stopped
 while its long prompt is being evaluated, in the ways a worker sees it:
 
-* its client leaves or cancels: the job's watch (`worker.process.jobs.JobStream.watch`, which
+* its client leaves or cancels: the job's watch (`worker.process.jobstream.JobStream.watch`, which
   reads the cancel key) says so between prompt pieces;
 * RQ's job timeout raises in the job's thread: in a sequence's own thread (RQ's
   ``TimerDeathPenalty``) and in the main thread (SIGALRM, ``UnixSignalDeathPenalty``).

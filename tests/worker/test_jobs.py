@@ -17,7 +17,7 @@ from tests.redis_faults import ReplyLosingProxy
 from worker.client import Event, entry_events, events, take_events
 from worker.engine.context import Context
 from worker.engine.rounds import Request
-from worker.process.jobs import Emitter, JobStream
+from worker.process.jobstream import Emitter, JobStream
 from worker.protocol import DoneEvent, JobResult, Once, StartEvent, Timings, TokenEvent, Usage, cancel_key, entry, stream_key
 from worker.settings import WorkerSettings
 

@@ -19,7 +19,7 @@ from redis.retry import Retry
 from gateway.pool.procs import RedisServer
 from gateway.streams import StreamReader
 from worker.client import entry_events
-from worker.process.jobs import JobStream
+from worker.process.jobstream import JobStream
 from worker.protocol import ErrorEvent, StartEvent, TokenEvent, stream_key
 from worker.redis_retry import outage_retry, ride_out
 

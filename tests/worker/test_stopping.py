@@ -15,7 +15,7 @@ from rq.exceptions import DequeueTimeout, StopRequested
 from rq.job import Job
 
 from worker.client import submit
-from worker.process import jobs
+from worker.process import jobstream
 from worker.process.main import KvpoolWorker
 from worker.process.stopping import StopAwareQueue, client_name, wake
 from worker.protocol import JobSpec
@@ -27,7 +27,7 @@ SHARED = "kvpool"
 def stopping(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """The process-wide stop flag of this test alone (the tests' own process must not look stopped to the others)."""
     flag = threading.Event()
-    monkeypatch.setattr(jobs, "STOPPING", flag)
+    monkeypatch.setattr(jobstream, "STOPPING", flag)
     return flag
 
 

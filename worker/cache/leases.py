@@ -151,7 +151,7 @@ class Leases:
     def wait(self, keys: Sequence[bytes], max_wait_s: float, watch: Callable[[], str | None] | None = None) -> LeaseOutcome:
         """Wait until none of ``keys`` is leased any more, or until ``max_wait_s`` have passed, or Redis fails.
 
-        Raises `JobAborted` as soon as ``watch`` (the job's, `worker.process.jobs.JobStream.watch`) says the job should stop.
+        Raises `JobAborted` as soon as ``watch`` (the job's, `worker.process.jobstream.JobStream.watch`) says the job should stop.
         """
         names = [lease_key(k) for k in keys]
         deadline = time.monotonic() + max_wait_s

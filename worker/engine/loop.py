@@ -18,7 +18,7 @@ One iteration, as llama-server's ``update_slots`` and vLLM's ``EngineCore.step``
         └──── settle: answers out, abandoned requests purged ◀── plan the round, decode its calls
 
 **Aborts at step boundaries.** A job waiting for a decode looks at its watch (the
-client's cancel, `worker.process.jobs`) between prompt pieces, and any exception that reaches
+client's cancel, `worker.process.jobstream`) between prompt pieces, and any exception that reaches
 its thread while it waits (RQ's job timeout, a second SIGTERM) leaves it the same way:
 the request is marked abandoned, the loop drops it before the next round and removes the
 cells it added, so nothing of it reaches the sequence's next job. A client that leaves
@@ -33,7 +33,7 @@ change with its cells, on this thread. Since a chain's next step is queued befor
 next round, the sequences that generate keep decoding together with no wait between rounds.
 
 **One output per round.** What a round's tokens set off outside the loop (the write of every
-job's stream, `worker.process.jobs.Emitter`) waits until the round's last chain has sent its
+job's stream, `worker.process.jobstream.Emitter`) waits until the round's last chain has sent its
 token (`after_round`), so one write carries the step of every sequence, as vLLM's engine
 core sends one output message per step; it then runs while the next round decodes.
 """

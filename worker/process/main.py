@@ -51,7 +51,7 @@ from worker.answering import Engine
 from worker.cpus import available_cpus, openmp_wait
 from worker.engine.context import flash_attn_for, sequences_for
 from worker.models.fetch import resolve_model
-from worker.process import jobs
+from worker.process import jobs, jobstream
 from worker.process.health import Health, self_check_outcome, serve
 from worker.process.registration import rescue_orphaned_queues
 from worker.process.rq_worker import KvpoolWorker, build_worker
@@ -112,13 +112,13 @@ def run_worker(settings: WorkerSettings, *, burst: bool = False) -> None:
         return
     supervisor = Supervisor(on_death=lambda thread: _stop_for_good(health, thread))
     engines[0].loaded.context.loop.on_death = supervisor.died
-    jobs.Emitter.on_death = supervisor.died
+    jobstream.Emitter.on_death = supervisor.died
     others = [
         supervisor.thread(partial(_serve, settings, w, e, None, burst), f"kvpool-{w.name}")
         for w, e in zip(workers[1:], engines[1:], strict=True)
     ]
     try:
-        if jobs.STOPPING.is_set():  # stopped while the model loaded
+        if jobstream.STOPPING.is_set():  # stopped while the model loaded
             notice.withdraw()
             log.info("worker.stopped", extra={"phase": "starting"})
             return
@@ -226,7 +226,7 @@ def _wait_for_redis(call: Callable[[], T], worker: KvpoolWorker | None = None, m
         return call()
 
     def failed(e: Exception) -> None:
-        if jobs.STOPPING.is_set() or (worker is not None and worker.stopping):
+        if jobstream.STOPPING.is_set() or (worker is not None and worker.stopping):
             raise StopRequested()
         log.warning("redis.unavailable", extra={"reason": str(e)})
         _set_waiting(worker, True)

@@ -24,7 +24,7 @@ from rq.worker import WorkerStatus
 from worker import metrics
 from worker.advert import Serving, advertise
 from worker.answering import Engine
-from worker.process import jobs
+from worker.process import jobstream
 from worker.process.health import Health
 from worker.process.registration import claim_name, rescue_orphaned_queues
 from worker.process.stopping import PUBSUB_WAIT_S, StopAwareQueue, client_name, push_back, wake
@@ -77,7 +77,7 @@ class KvpoolWorker(SimpleWorker):
 
         ``also``: the worker whose signal handler asks; after a restart of its RQ loop it is no longer in ``live``.
         """
-        jobs.STOPPING.set()
+        jobstream.STOPPING.set()
         everyone = list(cls.live | ({also} if also is not None else set()))
         for w in everyone:
             w.stopping = w._stop_requested = True

@@ -37,7 +37,7 @@ from rq import Queue
 from rq.exceptions import StopRequested
 from rq.job import Job
 
-from worker.process import jobs
+from worker.process import jobstream
 
 log = logging.getLogger("kvpool.worker")
 
@@ -54,11 +54,11 @@ def client_name(worker_name: str) -> str:
 
 
 class StopAwareQueue(Queue):
-    """RQ's queue, which pops nothing once the process is stopping (`jobs.STOPPING`)."""
+    """RQ's queue, which pops nothing once the process is stopping (`jobstream.STOPPING`)."""
 
     @classmethod
     def dequeue_any(cls, queues: Iterable[Queue], timeout: int | None, connection: redis.Redis, **kwargs: Any) -> tuple[Job, Queue] | None:  # type: ignore[override]
-        if jobs.STOPPING.is_set():
+        if jobstream.STOPPING.is_set():
             raise StopRequested()
         return super().dequeue_any(queues, timeout, connection, **kwargs)
 
