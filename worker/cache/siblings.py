@@ -39,9 +39,8 @@ import numpy as np
 
 from worker import metrics
 from worker.cache.held import Held
-from worker.engine.llama_state import read_ctx_state, write_ctx_state
-from worker.engine.sequence import restream
-from worker.errors import StateRestoreError
+from worker.engine.llama_state import check_positions, read_ctx_state, write_ctx_state
+from worker.engine.sequence import cell_positions, restream
 
 log = logging.getLogger("kvpool.worker")
 
@@ -84,8 +83,8 @@ def cells_cover(llm: llama_cpp.Llama, seq: int, n: int) -> bool:
     once copied an emptied stream, and llama.cpp accepts positions from n with no cells
     below them, so the answer came out silently wrong. The cells are checked too.
     """
-    mem = llama_cpp.llama_get_memory(llm.ctx)
-    return n > 0 and llama_cpp.llama_memory_seq_pos_min(mem, seq) == 0 and llama_cpp.llama_memory_seq_pos_max(mem, seq) >= n - 1
+    lo, hi = cell_positions(llm.ctx, seq)
+    return n > 0 and lo == 0 and hi >= n - 1
 
 
 def copy_from_sibling(held: Held, siblings: Sequence[Held], tenant: str, tokens: list[int], upto: int, labels: dict[str, str]) -> int:
@@ -116,11 +115,8 @@ def copy_from_sibling(held: Held, siblings: Sequence[Held], tenant: str, tokens:
         if how == "state":
             state = read_ctx_state(llm.ctx, seq)
             write_ctx_state(llm.ctx, state if view.n_streams == 1 else restream(state, seq, view.seq, view.n_streams), view.seq)
-        mem = llama_cpp.llama_get_memory(llm.ctx)
-        llama_cpp.llama_memory_seq_rm(mem, view.seq, n, -1)
-        if (llama_cpp.llama_memory_seq_pos_min(mem, view.seq), llama_cpp.llama_memory_seq_pos_max(mem, view.seq)) != (0, n - 1):
-            llama_cpp.llama_memory_seq_rm(mem, view.seq, -1, -1)  # not what was copied: hold nothing rather than a wrong cell
-            raise StateRestoreError(f"sequence {view.seq} holds other positions than the {n} copied from sequence {seq}")
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.ctx), view.seq, n, -1)
+        check_positions(llm.ctx, view.seq, n, f"a copy from sequence {seq}")
         view.input_ids[:n] = want[:n]
         view.n_tokens = n
         held.hold(tenant, n)  # set here, in the loop's thread: siblings' copies read it between rounds

@@ -16,7 +16,7 @@ import llama_cpp
 import numpy as np
 
 from worker.engine.kvstate import Buffer, StateFormatError, describe_state, state_cell_count
-from worker.engine.sequence import SeqView
+from worker.engine.sequence import SeqView, cell_positions
 from worker.errors import StateReadError, StateRestoreError
 
 Llama: TypeAlias = llama_cpp.Llama | SeqView
@@ -42,8 +42,7 @@ def seq_positions(llm: Llama, seq_id: int = 0) -> tuple[int, int]:
 
 @seq_positions.register
 def _(llm: llama_cpp.Llama, seq_id: int = 0) -> tuple[int, int]:
-    mem = llama_cpp.llama_get_memory(llm.ctx)
-    return int(llama_cpp.llama_memory_seq_pos_min(mem, seq_id)), int(llama_cpp.llama_memory_seq_pos_max(mem, seq_id))
+    return cell_positions(llm.ctx, seq_id)
 
 
 @seq_positions.register
@@ -185,13 +184,12 @@ def _(llm: SeqView, state: Buffer, tokens: Sequence[int], seq_id: int = 0, *, ch
     llm.write_state(write_ctx_state, state, tokens, check_positions if check else None)
 
 
-def check_positions(ctx: Any, seq_id: int, n: int) -> None:
-    """Raise `StateRestoreError`, with the sequence's cells removed, unless they hold positions ``0..n-1``."""
-    mem = llama_cpp.llama_get_memory(ctx)
-    lo, hi = llama_cpp.llama_memory_seq_pos_min(mem, seq_id), llama_cpp.llama_memory_seq_pos_max(mem, seq_id)
+def check_positions(ctx: Any, seq_id: int, n: int, source: str = "a restore") -> None:
+    """Raise `StateRestoreError`, with the sequence's cells removed (none rather than a wrong one), unless they hold positions ``0..n-1``."""
+    lo, hi = cell_positions(ctx, seq_id)
     if (lo, hi) != (0, n - 1):
-        llama_cpp.llama_memory_seq_rm(mem, seq_id, -1, -1)
-        raise StateRestoreError(f"restored positions {lo}..{hi}, expected 0..{n - 1}")
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), seq_id, -1, -1)
+        raise StateRestoreError(f"sequence {seq_id} holds positions {lo}..{hi} after {source}, expected 0..{n - 1}")
 
 
 def write_ctx_state(ctx: Any, state: Buffer, seq_id: int) -> None:

@@ -177,12 +177,7 @@ class SeqView:
 
     def positions(self) -> tuple[int, int]:
         """The first and last position of this sequence's cells (-1, -1 when none)."""
-
-        def read(llm: llama_cpp.Llama) -> tuple[int, int]:
-            mem = llama_cpp.llama_get_memory(llm.ctx)
-            return int(llama_cpp.llama_memory_seq_pos_min(mem, self.seq)), int(llama_cpp.llama_memory_seq_pos_max(mem, self.seq))
-
-        return self.loop.run(self.seq, read)
+        return self.loop.run(self.seq, lambda llm: cell_positions(llm.ctx, self.seq))
 
     def clear(self) -> None:
         """Remove every cell of the sequence, and what the view records of them, in one task of the loop.
@@ -245,6 +240,12 @@ class SeqView:
             self.n_tokens = len(tokens)
 
         self.loop.run(self.seq, load)
+
+
+def cell_positions(ctx: Any, seq: int) -> tuple[int, int]:
+    """The first and last position sequence ``seq``'s cells hold in ``ctx`` (-1, -1 when none), as llama.cpp says; on the loop's thread."""
+    mem = llama_cpp.llama_get_memory(ctx)
+    return int(llama_cpp.llama_memory_seq_pos_min(mem, seq)), int(llama_cpp.llama_memory_seq_pos_max(mem, seq))
 
 
 def single_stream(blob: bytearray | memoryview, seq: int, n_streams: int) -> memoryview:

@@ -63,6 +63,8 @@ class JobStream:
 
     def __init__(self, conn: redis.Redis, job_id: str, ttl_s: int, interval_s: float = 0.0) -> None:
         self.conn = conn
+        self.server = _server(conn)
+        """The Redis server the stream is on: the emitter writes the streams of one server in one pipeline."""
         self.key = stream_key(job_id)
         self.cancel = cancel_key(job_id)
         self.ttl_s = ttl_s
@@ -219,14 +221,14 @@ class Emitter:
             with self._cv:
                 self._in_round.add(stream)
             return
-        self._hold([stream])
+        self._mark_dirty([stream])
 
     def _round_sent(self) -> None:
         with self._cv:
             streams, self._in_round = list(self._in_round), set()
-        self._hold(streams)
+        self._mark_dirty(streams)
 
-    def _hold(self, streams: list[JobStream]) -> None:
+    def _mark_dirty(self, streams: list[JobStream]) -> None:
         with self._cv:
             self._dirty.update(streams)
             if any(s.written_at + s.interval_s < self._until for s in streams):
@@ -250,7 +252,7 @@ class Emitter:
                 batch, self._dirty = self._dirty, set()
             by_server: dict[tuple[object, ...], list[JobStream]] = {}
             for s in batch:
-                by_server.setdefault(_server(s.conn), []).append(s)
+                by_server.setdefault(s.server, []).append(s)
             for streams in by_server.values():
                 self._write(streams)
 
