@@ -77,6 +77,24 @@ def test_a_rows_logits_are_the_same_bits_whether_one_row_or_many_are_computed(ll
         assert np.array_equal(rows[-1], one_row), f"{n} tokens: the last row differs when every row is computed"
 
 
+def test_a_decoded_tokens_bits_do_not_depend_on_how_many_threads_share_its_heads(llm: llama_cpp.Llama) -> None:
+    """Flash attention computes a decoded token's heads that read one K/V head (SmolLM2: 9 heads, 3 K/V heads) as one
+    tile where there is such a tile for every thread (deploy/patches/flash-attn-rows.patch): one sequence's 3 on one
+    or two threads; on four, its heads are spread over the threads one by one. Either way, the cold bits."""
+    for n in (40, 300, 700):
+        prompt, answer = _random(llm, n, seed=n), _random(llm, 12, seed=n + 1)
+        got = {}
+        for threads in (1, 4):
+            llama_cpp.llama_set_n_threads(llm.ctx, threads, threads)
+            try:
+                got[threads] = decoded_logits(llm, prompt, answer, DecodeMode.SINGLE)
+            finally:
+                llama_cpp.llama_set_n_threads(llm.ctx, THREADS, THREADS)
+        cold = decoded_logits(llm, prompt, answer, None)
+        assert np.array_equal(got[1], cold), f"{n} tokens: decoded on one thread, the last logits differ from a cold evaluation's"
+        assert np.array_equal(got[4], cold), f"{n} tokens: decoded on four threads, the last logits differ from a cold evaluation's"
+
+
 @pytest.fixture(scope="module")
 def gemma3_llm(gemma3: Path) -> Iterator[llama_cpp.Llama]:
     # flash attention off, as workers open a sliding-window model (`worker.engine.context.flash_attn_for`)
