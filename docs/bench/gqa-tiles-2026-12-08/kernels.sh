@@ -18,7 +18,10 @@ build)
     work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
     python3 -m pip download -q --no-deps --no-binary :all: -d "$work" "llama-cpp-python==$VERSION"
     tar -xzf "$work/llama_cpp_python-$VERSION.tar.gz" -C "$work"
-    for patch in "$@"; do (cd "$work/llama_cpp_python-$VERSION" && git apply -p1 --whitespace=nowarn "$(realpath "$OLDPWD/$patch")"); done
+    for patch in "$@"; do
+        patch=$(realpath "$patch")  # before the cd below: relative to where this runs
+        (cd "$work/llama_cpp_python-$VERSION" && git apply -p1 --whitespace=nowarn "$patch")
+    done
     cmake -S "$work/llama_cpp_python-$VERSION/vendor/llama.cpp" -B "$work/build" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null
     cmake --build "$work/build" --target llama-batched-bench -j"$(nproc)" >/dev/null
